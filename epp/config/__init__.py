@@ -1,0 +1,1 @@
+"""EndpointPickerConfig: model, loader, defaults, plugin registry."""

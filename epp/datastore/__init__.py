@@ -1,0 +1,1 @@
+"""Endpoint and pool state, owned by one event loop."""

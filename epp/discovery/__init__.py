@@ -1,0 +1,1 @@
+"""Endpoint discovery: the static list/file, and (later) Kubernetes."""

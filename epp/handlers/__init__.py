@@ -1,0 +1,1 @@
+"""The ext_proc wire layer. It knows the domain only through ``protocol.RequestDirector``."""

@@ -1,0 +1,356 @@
+"""The ext_proc stream state machine (design.md §2, envoy-notes.md).
+
+One :class:`ExtProcStream` per HTTP request. It is transport-free — ``handle(message)``
+returns the responses to send — so it is unit-tested in memory; :class:`ExtProcServicer`
+binds it to a grpc.aio stream.
+
+FULL_DUPLEX_STREAMED (request body mode from ``protocol_config``): the answer to the
+request-headers message is withheld until the body is complete and routed; then the
+headers answer (routing mutation, ``clear_route_cache``, ``envoy.lb`` metadata), the body
+as StreamedBodyResponse chunks of at most 62,000 bytes (end_of_stream on the last), then a
+trailers answer if trailers came. Any other request body mode is handled as BUFFERED:
+headers are answered at once and the routing goes in the body answer. Header-only
+requests (end_of_stream on the headers) are routed from the headers alone.
+
+A rejection is one ImmediateResponse with a JSON error body, after which the stream ends.
+An exception inside the handler becomes a 500 before routing, and is logged and passed
+over after it: a stream never crashes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, AsyncIterator, Mapping, Sequence
+
+import grpc
+import orjson
+from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.type.v3.http_status_pb2 import HttpStatus
+from google.protobuf.struct_pb2 import Struct
+
+from epp import keys
+from epp.errors import BodyTooLarge, EppError
+from epp.handlers.protocol import RequestDirector, Routing
+
+log = logging.getLogger(__name__)
+
+MAX_CHUNK_BYTES = 62_000
+_FULL_DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
+_OVERWRITE = HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
+
+
+def _set_header(key: str, value: str) -> HeaderValueOption:
+    # raw_value, not value: Envoy sets an empty header from `value` (envoy-notes pitfall 1).
+    return HeaderValueOption(header=HeaderValue(key=key, raw_value=value.encode()),
+                             append_action=_OVERWRITE)
+
+
+def _headers_dict(headers: Any) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for h in headers.headers:
+        out[h.key.lower()] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+    return out
+
+
+def _subset_hint(msg: pb.ProcessingRequest) -> list[str] | None:
+    if not msg.HasField("metadata_context"):
+        return None
+    st = msg.metadata_context.filter_metadata.get(keys.METADATA_SUBSET_NAMESPACE)
+    if st is None or keys.METADATA_SUBSET_KEY not in st.fields:
+        return None
+    v = st.fields[keys.METADATA_SUBSET_KEY]
+    kind = v.WhichOneof("kind")
+    if kind == "list_value":
+        return [x.string_value for x in v.list_value.values if x.string_value]
+    if kind == "string_value":
+        return [s.strip() for s in v.string_value.split(",") if s.strip()]
+    return []
+
+
+def routing_mutation(routing: Routing, content_length: int | None = None) -> pb.HeaderMutation:
+    """Set the destination (overwriting any client value) and remove unset routing headers."""
+    sets = [_set_header(keys.HEADER_DESTINATION, routing.destination)]
+    for k, v in routing.set_headers.items():
+        sets.append(_set_header(k, v))
+    if content_length is not None:
+        sets.append(_set_header(keys.HEADER_CONTENT_LENGTH, str(content_length)))
+    removes = [h for h in keys.ROUTING_HEADERS
+               if h != keys.HEADER_DESTINATION and h not in routing.set_headers]
+    return pb.HeaderMutation(set_headers=sets, remove_headers=removes)
+
+
+def routing_metadata(destination: str) -> Struct:
+    md = Struct()
+    md.update({keys.METADATA_NAMESPACE_LB: {keys.METADATA_DESTINATION_KEY: destination}})
+    return md
+
+
+def immediate_response(status: int, message: str, error_type: str) -> pb.ProcessingResponse:
+    body = orjson.dumps({"error": {"message": message, "type": error_type, "code": status}})
+    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+        status=HttpStatus(code=status),  # type: ignore[arg-type]
+        headers=pb.HeaderMutation(set_headers=[
+            _set_header(keys.HEADER_CONTENT_TYPE, keys.CONTENT_TYPE_JSON)]),
+        body=body,
+        details=error_type,
+    ))
+
+
+def _streamed_chunks(body: bytes, phase: str) -> list[pb.ProcessingResponse]:
+    """The body as StreamedBodyResponse pieces of at most MAX_CHUNK_BYTES."""
+    n = len(body)
+    out = []
+    start = 0
+    while True:
+        end = min(start + MAX_CHUNK_BYTES, n)
+        last = end >= n
+        br = pb.BodyResponse(response=pb.CommonResponse(body_mutation=pb.BodyMutation(
+            streamed_response=pb.StreamedBodyResponse(body=body[start:end], end_of_stream=last))))
+        out.append(pb.ProcessingResponse(**{phase: br}))
+        if last:
+            return out
+        start = end
+
+
+_EMPTY_REQ_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+_EMPTY_RESP_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+_EMPTY_REQ_TRAILERS = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+_EMPTY_RESP_TRAILERS = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+_CONTINUE_RESP_BODY = pb.ProcessingResponse(response_body=pb.BodyResponse())
+
+
+class ExtProcStream:
+    """State of one ext_proc stream (one HTTP request). Not thread-safe; one task drives it."""
+
+    __slots__ = ("_director", "_max_body", "_duplex", "_resp_duplex", "_headers", "_subset",
+                 "_chunks", "_size", "_routed", "_routing", "closed", "_done_reported",
+                 "_trailers_pending")
+
+    def __init__(self, director: RequestDirector, max_body_bytes: int) -> None:
+        self._director = director
+        self._max_body = max_body_bytes
+        self._duplex = False
+        self._resp_duplex = False
+        self._headers: dict[str, str] = {}
+        self._subset: list[str] | None = None
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self._routed = False
+        self._routing: Routing | None = None
+        self.closed = False
+        self._done_reported = False
+        self._trailers_pending = False
+
+    async def handle(self, msg: pb.ProcessingRequest) -> Sequence[pb.ProcessingResponse]:
+        """Process one message from Envoy and return the responses to send, in order."""
+        kind = msg.WhichOneof("request")
+        try:
+            if kind == "request_headers":
+                return await self._on_request_headers(msg)
+            if kind == "request_body":
+                return await self._on_request_body(msg.request_body)
+            if kind == "request_trailers":
+                return await self._on_request_trailers()
+            if kind == "response_headers":
+                return self._on_response_headers(msg.response_headers)
+            if kind == "response_body":
+                return self._on_response_body(msg.response_body)
+            if kind == "response_trailers":
+                self._report_done(aborted=False)
+                return [_EMPTY_RESP_TRAILERS]
+        except EppError as e:
+            return self._reject(e.status, e.message, e.error_type)
+        except Exception:
+            log.exception("ext_proc handler error (%s)", kind)
+            if not self._routed:
+                return self._reject(500, "internal error in the endpoint picker", "internal_error")
+            return self._passthrough(msg, kind)
+        return []
+
+    # --- request path ---
+
+    async def _on_request_headers(self, msg: pb.ProcessingRequest) -> Sequence[pb.ProcessingResponse]:
+        if msg.HasField("protocol_config"):
+            pc = msg.protocol_config
+            self._duplex = pc.request_body_mode == _FULL_DUPLEX
+            self._resp_duplex = pc.response_body_mode == _FULL_DUPLEX
+        self._headers = _headers_dict(msg.request_headers.headers)
+        self._subset = _subset_hint(msg)
+        if msg.request_headers.end_of_stream:
+            routing = await self._route(b"", has_body=False)
+            return [self._headers_response(routing)]
+        if self._duplex:
+            return []  # withheld until the body is complete and routed
+        # BUFFERED: answer now (dropping client routing headers); route in the body answer.
+        return [pb.ProcessingResponse(request_headers=pb.HeadersResponse(
+            response=pb.CommonResponse(header_mutation=pb.HeaderMutation(
+                remove_headers=list(keys.ROUTING_HEADERS)))))]
+
+    async def _on_request_body(self, body: pb.HttpBody) -> Sequence[pb.ProcessingResponse]:
+        if self._routed:
+            # Only reachable in modes we do not route from (e.g. STREAMED): let it through.
+            return [pb.ProcessingResponse(request_body=pb.BodyResponse())]
+        data = body.body
+        self._size += len(data)
+        if self._size > self._max_body:
+            raise BodyTooLarge(f"request body exceeds the limit of {self._max_body} bytes")
+        if data:
+            self._chunks.append(data)
+        if not self._duplex:
+            # BUFFERED: this message is the whole body (end_of_stream is false when
+            # trailers follow; do not wait for it).
+            return await self._route_buffered()
+        if body.end_of_stream:
+            return await self._route_duplex()
+        return []
+
+    async def _on_request_trailers(self) -> Sequence[pb.ProcessingResponse]:
+        if self._duplex and not self._routed:
+            return [*await self._route_duplex(), _EMPTY_REQ_TRAILERS]
+        return [_EMPTY_REQ_TRAILERS]
+
+    def _body(self) -> bytes:
+        chunks = self._chunks
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        self._chunks = []
+        return body
+
+    async def _route(self, body: bytes, has_body: bool) -> Routing:
+        routing = await self._director.route(self._headers, body, has_body, self._subset)
+        self._routing = routing
+        self._routed = True
+        return routing
+
+    def _headers_response(self, routing: Routing,
+                          content_length: int | None = None) -> pb.ProcessingResponse:
+        return pb.ProcessingResponse(
+            request_headers=pb.HeadersResponse(response=pb.CommonResponse(
+                header_mutation=routing_mutation(routing, content_length),
+                clear_route_cache=True)),
+            dynamic_metadata=routing_metadata(routing.destination),
+        )
+
+    async def _route_duplex(self) -> Sequence[pb.ProcessingResponse]:
+        body = self._body()
+        routing = await self._route(body, has_body=True)
+        out_body = body if routing.body is None else routing.body
+        return [self._headers_response(routing), *_streamed_chunks(out_body, "request_body")]
+
+    async def _route_buffered(self) -> Sequence[pb.ProcessingResponse]:
+        body = self._body()
+        routing = await self._route(body, has_body=True)
+        common = pb.CommonResponse(clear_route_cache=True)
+        if routing.body is not None:
+            common.header_mutation.CopyFrom(routing_mutation(routing, len(routing.body)))
+            common.body_mutation.body = routing.body
+        else:
+            common.header_mutation.CopyFrom(routing_mutation(routing))
+        return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=common),
+                                      dynamic_metadata=routing_metadata(routing.destination))]
+
+    # --- response path ---
+
+    def _on_response_headers(self, h: pb.HttpHeaders) -> Sequence[pb.ProcessingResponse]:
+        if self._routing is None:
+            return [_EMPTY_RESP_HEADERS]
+        headers = _headers_dict(h.headers)
+        try:
+            status = int(headers.get(keys.HEADER_STATUS, "0"))
+        except ValueError:
+            status = 0
+        extra = self._director.on_response_headers(self._routing.context, status, headers)
+        if h.end_of_stream:
+            self._report_done(aborted=False)
+        if not extra:
+            return [_EMPTY_RESP_HEADERS]
+        return [pb.ProcessingResponse(response_headers=pb.HeadersResponse(
+            response=pb.CommonResponse(header_mutation=pb.HeaderMutation(
+                set_headers=[_set_header(k, v) for k, v in extra.items()]))))]
+
+    def _on_response_body(self, b: pb.HttpBody) -> Sequence[pb.ProcessingResponse]:
+        chunk = b.body
+        replaced = None
+        if self._routing is not None:
+            replaced = self._director.on_response_body(self._routing.context, chunk, b.end_of_stream)
+        if b.end_of_stream:
+            self._report_done(aborted=False)
+        if self._resp_duplex:
+            out = chunk if replaced is None else replaced
+            return [pb.ProcessingResponse(response_body=pb.BodyResponse(
+                response=pb.CommonResponse(body_mutation=pb.BodyMutation(
+                    streamed_response=pb.StreamedBodyResponse(
+                        body=out, end_of_stream=b.end_of_stream)))))]
+        if replaced is None:
+            return [_CONTINUE_RESP_BODY]
+        return [pb.ProcessingResponse(response_body=pb.BodyResponse(
+            response=pb.CommonResponse(body_mutation=pb.BodyMutation(body=replaced))))]
+
+    def _passthrough(self, msg: pb.ProcessingRequest, kind: str | None) -> Sequence[pb.ProcessingResponse]:
+        """After routing, a failing callback must not break the response: pass it on."""
+        if kind == "response_body":
+            b = msg.response_body
+            if b.end_of_stream:
+                self._report_done(aborted=False)
+            if self._resp_duplex:
+                return [pb.ProcessingResponse(response_body=pb.BodyResponse(
+                    response=pb.CommonResponse(body_mutation=pb.BodyMutation(
+                        streamed_response=pb.StreamedBodyResponse(
+                            body=b.body, end_of_stream=b.end_of_stream)))))]
+            return [_CONTINUE_RESP_BODY]
+        if kind == "response_headers":
+            if msg.response_headers.end_of_stream:
+                self._report_done(aborted=False)
+            return [_EMPTY_RESP_HEADERS]
+        if kind == "response_trailers":
+            return [_EMPTY_RESP_TRAILERS]
+        if kind == "request_trailers":
+            return [_EMPTY_REQ_TRAILERS]
+        return [_EMPTY_REQ_HEADERS]
+
+    # --- endings ---
+
+    def _reject(self, status: int, message: str, error_type: str) -> Sequence[pb.ProcessingResponse]:
+        self.closed = True
+        self._chunks = []
+        if self._routed:
+            self._report_done(aborted=True)
+        return [immediate_response(status, message, error_type)]
+
+    def _report_done(self, aborted: bool) -> None:
+        if self._done_reported or self._routing is None:
+            return
+        self._done_reported = True
+        try:
+            self._director.on_done(self._routing.context, aborted)
+        except Exception:
+            log.exception("director on_done failed")
+
+    def finish(self) -> None:
+        """The gRPC stream ended; a routed request without a complete response was aborted."""
+        self._report_done(aborted=True)
+
+
+class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
+    """Binds :class:`ExtProcStream` to grpc.aio bidirectional streams."""
+
+    def __init__(self, director: RequestDirector, max_body_bytes: int) -> None:
+        self._director = director
+        self._max_body = max_body_bytes
+
+    async def Process(  # noqa: N802 (gRPC method name)
+        self,
+        request_iterator: AsyncIterator[pb.ProcessingRequest],
+        context: grpc.aio.ServicerContext[pb.ProcessingRequest, pb.ProcessingResponse],
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        stream = ExtProcStream(self._director, self._max_body)
+        try:
+            async for msg in request_iterator:
+                for resp in await stream.handle(msg):
+                    yield resp
+                if stream.closed:
+                    return
+        finally:
+            stream.finish()

@@ -1,0 +1,60 @@
+"""What the ext_proc handler needs from the domain, declared on the consumer side.
+
+The handler imports nothing from parsing/, scheduling/ or requestcontrol/: a Director
+implements :class:`RequestDirector` and returns :class:`Routing` values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol, Sequence
+
+
+@dataclass(slots=True)
+class Routing:
+    """Where a request goes.
+
+    ``destination`` is ``ip:port[,ip:port…]`` (primary first, then fallbacks); it becomes
+    both the ``x-gateway-destination-endpoint`` header and the ``envoy.lb`` metadata.
+    ``set_headers`` are further request headers to set (e.g. ``x-prefiller-host-port``);
+    routing headers not set here are removed from the request. ``body`` replaces the
+    request body when not None (a model rewrite). ``context`` is opaque to the handler and
+    handed back in the response callbacks.
+    """
+
+    destination: str
+    set_headers: Mapping[str, str] = field(default_factory=dict)
+    body: bytes | None = None
+    context: Any = None
+
+
+class RequestDirector(Protocol):
+    async def route(
+        self,
+        headers: Mapping[str, str],
+        body: bytes,
+        has_body: bool,
+        subset: Sequence[str] | None,
+    ) -> Routing:
+        """Decide where the request goes.
+
+        ``headers`` are lower-cased request headers (pseudo-headers included); ``has_body``
+        is False for header-only requests; ``subset`` is Envoy's subset hint (None when
+        absent; an empty list means no endpoint is eligible). Raises ``epp.errors.EppError``
+        to reject the request with its HTTP status.
+        """
+        ...
+
+    def on_response_headers(
+        self, context: Any, status: int, headers: Mapping[str, str]
+    ) -> Mapping[str, str] | None:
+        """Response headers arrived; return headers to set on the response, if any."""
+        ...
+
+    def on_response_body(self, context: Any, chunk: bytes, end_of_stream: bool) -> bytes | None:
+        """A response body chunk passes through; return a replacement chunk, or None."""
+        ...
+
+    def on_done(self, context: Any, aborted: bool) -> None:
+        """Called exactly once per routed request: response complete, or stream aborted."""
+        ...

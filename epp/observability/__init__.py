@@ -1,0 +1,1 @@
+"""Exported metrics, logging."""

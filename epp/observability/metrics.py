@@ -1,0 +1,113 @@
+"""Prometheus metrics with GIE's names (design.md §8), on a registry owned by the server.
+
+No module-level registry: each :class:`EppMetrics` owns a ``CollectorRegistry``, so tests
+and several servers in one process do not collide. Pool-level gauges are computed from the
+datastore when scraped, costing nothing per request.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from epp import __version__
+from epp.datastore.store import Datastore
+from epp.scheduling.interfaces import Plugin
+
+_LATENCY_BUCKETS = (0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.25, 1.5, 2, 3, 4, 5,
+                    6, 8, 10, 15, 20, 30, 45, 60, 120, 180, 240, 300, 360, 480, 600, 900,
+                    1200, 1800, 2700, 3600)
+_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32778,
+                  65536, 131072, 262144, 524288, 1048576)
+_SCHED_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
+
+
+class _PoolCollector(Collector):
+    def __init__(self, store: Datastore, pool_name: str) -> None:
+        self._store = store
+        self._pool = pool_name
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        eps = self._store.snapshot()
+        n = len(eps)
+        kv = GaugeMetricFamily("inference_pool_average_kv_cache_utilization",
+                               "The average kv cache utilization for an inference server pool.",
+                               labels=["name"])
+        q = GaugeMetricFamily("inference_pool_average_queue_size",
+                              "The average number of requests pending in the model server queue.",
+                              labels=["name"])
+        ready = GaugeMetricFamily("inference_pool_ready_pods",
+                                  "The number of ready pods in the inference server pool.",
+                                  labels=["name"])
+        per_pod = GaugeMetricFamily("inference_pool_per_pod_queue_size",
+                                    "The total number of requests pending in the model server "
+                                    "queue for each underlying pod.",
+                                    labels=["name", "model_server_pod"])
+        kv.add_metric([self._pool], sum(e.metrics.kv_cache_usage for e in eps) / n if n else 0.0)
+        q.add_metric([self._pool],
+                     sum(e.metrics.waiting_queue_size for e in eps) / n if n else 0.0)
+        ready.add_metric([self._pool], n)
+        for e in eps:
+            per_pod.add_metric([self._pool, e.name], e.metrics.waiting_queue_size)
+        return [kv, q, ready, per_pod]
+
+
+class EppMetrics:
+    def __init__(self, store: Datastore, pool_name: str = "static") -> None:
+        self.registry = r = CollectorRegistry()
+        labels = ["model_name", "target_model_name"]
+        self.request_total = Counter(
+            "inference_objective_request_total",
+            "Counter of inference objective requests broken out for each model and target model.",
+            labels, registry=r)
+        self.request_error_total = Counter(
+            "inference_objective_request_error_total",
+            "Counter of inference objective requests errors broken out for each model and "
+            "target model.", [*labels, "error_code"], registry=r)
+        self.request_duration = Histogram(
+            "inference_objective_request_duration_seconds",
+            "Inference objective response latency distribution in seconds for each model and "
+            "target model.", labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.input_tokens = Histogram(
+            "inference_objective_input_tokens",
+            "Inference objective input token count distribution for requests in each model.",
+            labels, buckets=_TOKEN_BUCKETS, registry=r)
+        self.output_tokens = Histogram(
+            "inference_objective_output_tokens",
+            "Inference objective output token count distribution for requests in each model.",
+            labels, buckets=_TOKEN_BUCKETS, registry=r)
+        self.cached_tokens = Histogram(
+            "inference_objective_prompt_cached_tokens",
+            "Inference objective prompt cached token count distribution for requests in each "
+            "model.", labels, buckets=_TOKEN_BUCKETS, registry=r)
+        self.running_requests = Gauge(
+            "inference_objective_running_requests",
+            "Inference objective number of running requests in each model.",
+            ["model_name"], registry=r)
+        self.scheduler_e2e = Histogram(
+            "inference_extension_scheduler_e2e_duration_seconds",
+            "End-to-end scheduling latency distribution in seconds.",
+            buckets=_SCHED_BUCKETS, registry=r)
+        self.plugin_duration = Histogram(
+            "inference_extension_plugin_duration_seconds",
+            "Plugin processing latency distribution in seconds for each extension point, "
+            "plugin type and plugin name.",
+            ["extension_point", "plugin_type", "plugin_name"], buckets=_SCHED_BUCKETS,
+            registry=r)
+        info = Info("inference_extension", "General information of the current build of the "
+                    "endpoint picker.", registry=r)
+        info.info({"commit": "", "build_ref": __version__})
+        r.register(_PoolCollector(store, pool_name))
+        self._plugin_children: dict[tuple[str, int], Histogram] = {}
+
+    def observe_plugin(self, extension_point: str, plugin: Plugin, seconds: float) -> None:
+        """PluginTimer: per-plugin latency (children cached: labels() is not free)."""
+        key = (extension_point, id(plugin))
+        child = self._plugin_children.get(key)
+        if child is None:
+            child = self.plugin_duration.labels(extension_point, plugin.type_name, plugin.name)
+            self._plugin_children[key] = child
+        child.observe(seconds)

@@ -1,0 +1,1 @@
+"""The Director: admission, model rewrite, scheduling, request lifecycle hooks."""

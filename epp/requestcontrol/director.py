@@ -1,0 +1,183 @@
+"""The Director: turns one HTTP request into a routing decision and follows its response.
+
+``route``: parse the body once → apply the model rewrite (``x-gateway-model-name-rewrite``)
+→ take the endpoint snapshot (narrowed by Envoy's subset hint) → run the scheduler → tell
+PreRequest plugins where the request went → return a :class:`Routing`. The response
+callbacks parse usage, rewrite a rewritten model name back, record metrics and call the
+ResponseComplete plugins exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import orjson
+
+from epp import keys
+from epp.datastore.store import Datastore
+from epp.errors import EppError, ServiceUnavailable
+from epp.handlers.protocol import Routing
+from epp.observability.metrics import EppMetrics
+from epp.parsing.request import ParsedRequest, api_type_for_path, parse_request_body, rewrite_model
+from epp.parsing.usage import UsageParser
+from epp.scheduling.interfaces import PreRequest, ResponseComplete
+from epp.scheduling.scheduler import Scheduler
+from epp.scheduling.types import LLMRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """Per-request state the Director keeps between routing and the end of the response."""
+
+    request: LLMRequest
+    endpoint_key: str
+    started: float
+    status: int = 0
+    usage: UsageParser | None = None
+    model_back: tuple[bytes, bytes, bytes, bytes] | None = None  # rewrite-back patterns
+
+
+class Director:
+    def __init__(
+        self,
+        store: Datastore,
+        scheduler: Scheduler,
+        metrics: EppMetrics,
+        pre_request: Sequence[PreRequest] = (),
+        response_complete: Sequence[ResponseComplete] = (),
+    ) -> None:
+        self.store = store
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self.pre_request = tuple(pre_request)
+        self.response_complete = tuple(response_complete)
+
+    async def route(
+        self,
+        headers: Mapping[str, str],
+        body: bytes,
+        has_body: bool,
+        subset: Sequence[str] | None,
+    ) -> Routing:
+        incoming = target = ""
+        try:
+            request, parsed = self._build_request(headers, body, has_body)
+            incoming, target = request.incoming_model, request.target_model
+            candidates = self.store.snapshot()
+            if subset is not None:
+                allowed = set(subset)
+                candidates = tuple(e for e in candidates if e.key in allowed)
+                if not candidates:
+                    raise ServiceUnavailable(
+                        "no ready endpoint matches the subset hint "
+                        f"({', '.join(subset) or 'empty'})")
+            if not candidates:
+                raise ServiceUnavailable("no ready endpoints in the pool")
+            t0 = time.perf_counter()
+            result = self.scheduler.schedule(request, candidates)
+            self.metrics.scheduler_e2e.observe(time.perf_counter() - t0)
+        except EppError as e:
+            self.metrics.request_error_total.labels(incoming, target, str(e.status)).inc()
+            raise
+
+        primary = result.primary.endpoints
+        for plugin in self.pre_request:
+            plugin.pre_request(request, result)
+        set_headers: dict[str, str] = {}
+        if keys.HEADER_REQUEST_ID not in headers:
+            set_headers[keys.HEADER_REQUEST_ID] = request.request_id
+        new_body = None
+        ctx = RequestContext(request, primary[0].key, time.monotonic())
+        if parsed is not None and target != incoming:
+            new_body = rewrite_model(parsed.data, target)
+            ctx.model_back = _model_patterns(target, incoming)
+        self.metrics.request_total.labels(incoming, target).inc()
+        self.metrics.running_requests.labels(incoming).inc()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("request %s model=%s -> %s", request.request_id, target,
+                      [e.key for e in primary])
+        return Routing(destination=",".join(e.key for e in primary), set_headers=set_headers,
+                       body=new_body, context=ctx)
+
+    def _build_request(self, headers: Mapping[str, str], body: bytes,
+                       has_body: bool) -> tuple[LLMRequest, ParsedRequest | None]:
+        path = headers.get(keys.HEADER_PATH, "/")
+        parsed: ParsedRequest | None = None
+        if has_body:
+            parsed = parse_request_body(path, body)
+            incoming, api, prompt = parsed.model, parsed.api, parsed.prompt
+        else:
+            incoming, api, prompt = "", api_type_for_path(path), ""
+        target = headers.get(keys.HEADER_MODEL_REWRITE) or incoming
+        request = LLMRequest(
+            request_id=headers.get(keys.HEADER_REQUEST_ID) or uuid.uuid4().hex,
+            target_model=target,
+            incoming_model=incoming,
+            api=api,
+            prompt=prompt,
+            headers=headers,
+            stream=parsed.stream if parsed else False,
+            max_tokens=parsed.max_tokens if parsed else None,
+            cache_salt=parsed.cache_salt if parsed else None,
+            user=parsed.user if parsed else None,
+            objective=headers.get(keys.HEADER_OBJECTIVE),
+            fairness_id=headers.get(keys.HEADER_FAIRNESS_ID),
+            session_token=headers.get(keys.HEADER_SESSION_TOKEN),
+        )
+        return request, parsed
+
+    # --- response callbacks (RequestDirector protocol) ---
+
+    def on_response_headers(self, context: Any, status: int,
+                            headers: Mapping[str, str]) -> Mapping[str, str] | None:
+        ctx: RequestContext = context
+        ctx.status = status
+        ctype = headers.get(keys.HEADER_CONTENT_TYPE, "")
+        ctx.usage = UsageParser(sse=ctype.startswith(keys.CONTENT_TYPE_SSE))
+        return None
+
+    def on_response_body(self, context: Any, chunk: bytes, end_of_stream: bool) -> bytes | None:
+        ctx: RequestContext = context
+        if ctx.usage is not None:
+            ctx.usage.feed(chunk)
+        if ctx.model_back is not None and chunk:
+            a, b, c, d = ctx.model_back
+            if a in chunk or c in chunk:
+                return chunk.replace(a, b).replace(c, d)
+        return None
+
+    def on_done(self, context: Any, aborted: bool) -> None:
+        ctx: RequestContext = context
+        req = ctx.request
+        m = self.metrics
+        m.running_requests.labels(req.incoming_model).dec()
+        labels = (req.incoming_model, req.target_model)
+        if not aborted and 200 <= ctx.status < 300:
+            m.request_duration.labels(*labels).observe(time.monotonic() - ctx.started)
+            usage = ctx.usage.finish() if ctx.usage is not None else None
+            if usage is not None:
+                if usage.prompt_tokens is not None:
+                    m.input_tokens.labels(*labels).observe(usage.prompt_tokens)
+                if usage.completion_tokens is not None:
+                    m.output_tokens.labels(*labels).observe(usage.completion_tokens)
+                if usage.cached_tokens is not None:
+                    m.cached_tokens.labels(*labels).observe(usage.cached_tokens)
+        elif ctx.status >= 400:
+            m.request_error_total.labels(*labels, str(ctx.status)).inc()
+        for plugin in self.response_complete:
+            try:
+                plugin.response_complete(req, ctx.endpoint_key, aborted)
+            except Exception:
+                log.exception("ResponseComplete plugin %s failed", plugin.name)
+
+
+def _model_patterns(target: str, incoming: str) -> tuple[bytes, bytes, bytes, bytes]:
+    """Byte patterns that rewrite the target model name back to the client's name."""
+    t, i = orjson.dumps(target), orjson.dumps(incoming)
+    return (b'"model":' + t, b'"model":' + i, b'"model": ' + t, b'"model": ' + i)

@@ -1,0 +1,1 @@
+"""The multi-cycle scheduler: profile handler, profiles (filters → scorers → picker)."""

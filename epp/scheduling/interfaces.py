@@ -1,0 +1,92 @@
+"""Extension points of the scheduler, each a small Protocol (design.md §4, §9).
+
+Plugins are plain synchronous code over an immutable endpoint snapshot: no I/O.
+Every plugin has ``type_name`` (its config ``type``) and ``name`` (its config ``name``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Mapping, Protocol, Sequence, runtime_checkable
+
+from epp.scheduling.types import (
+    CycleState,
+    Endpoint,
+    LLMRequest,
+    ProfileRunResult,
+    ScoredEndpoint,
+    SchedulingResult,
+)
+
+if TYPE_CHECKING:
+    from epp.scheduling.scheduler import SchedulerProfile
+
+
+@runtime_checkable
+class Plugin(Protocol):
+    type_name: str
+    name: str
+
+
+@runtime_checkable
+class Filter(Plugin, Protocol):
+    def filter(
+        self, state: CycleState, request: LLMRequest, endpoints: Sequence[Endpoint]
+    ) -> Sequence[Endpoint]:
+        """Return the endpoints that stay candidates (a subset, order kept)."""
+        ...
+
+
+@runtime_checkable
+class Scorer(Plugin, Protocol):
+    def score(
+        self, state: CycleState, request: LLMRequest, endpoints: Sequence[Endpoint]
+    ) -> Sequence[float]:
+        """Return one score in [0, 1] per endpoint, aligned with ``endpoints``."""
+        ...
+
+
+@runtime_checkable
+class Picker(Plugin, Protocol):
+    def pick(self, state: CycleState, scored: Sequence[ScoredEndpoint]) -> ProfileRunResult:
+        """Choose 1..maxNumOfEndpoints endpoints from a non-empty scored list."""
+        ...
+
+
+@runtime_checkable
+class ProfileHandler(Plugin, Protocol):
+    def pick(
+        self,
+        state: CycleState,
+        request: LLMRequest,
+        profiles: Mapping[str, SchedulerProfile],
+        results: Mapping[str, ProfileRunResult | None],
+    ) -> Mapping[str, SchedulerProfile]:
+        """Profiles to run in the next cycle; empty means scheduling is done."""
+        ...
+
+    def process_results(
+        self,
+        state: CycleState,
+        request: LLMRequest,
+        results: Mapping[str, ProfileRunResult | None],
+    ) -> SchedulingResult:
+        """Aggregate profile results; raise ``NoCapacity`` when nothing usable remains."""
+        ...
+
+
+@runtime_checkable
+class PreRequest(Plugin, Protocol):
+    def pre_request(self, request: LLMRequest, result: SchedulingResult) -> None:
+        """Called once the Director has decided where the request goes."""
+        ...
+
+
+@runtime_checkable
+class ResponseComplete(Plugin, Protocol):
+    def response_complete(self, request: LLMRequest, endpoint_key: str, aborted: bool) -> None:
+        """Called once per routed request when its response ends (or the stream aborts)."""
+        ...
+
+
+class PluginTimer(Protocol):
+    def __call__(self, extension_point: str, plugin: Plugin, seconds: float) -> None: ...

@@ -1,0 +1,1 @@
+"""Built-in scheduler plugins (filters, scorers, pickers, profile handlers)."""

@@ -1,0 +1,50 @@
+"""Scorers over endpoint metrics. Each returns a score in [0, 1] per endpoint."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from epp.config.params import Params
+from epp.config.registry import PluginHandle
+from epp.scheduling.types import CycleState, Endpoint, LLMRequest
+
+
+class _NoParams:
+    type_name = ""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @classmethod
+    def from_params(cls, name: str, params: Params, handle: PluginHandle) -> "_NoParams":
+        params.done()
+        return cls(name)
+
+
+class QueueScorer(_NoParams):
+    """(max − q) / (max − min) over the candidates' waiting queues; 1 for all when equal."""
+
+    type_name = "queue-scorer"
+
+    def score(self, state: CycleState, request: LLMRequest,
+              endpoints: Sequence[Endpoint]) -> Sequence[float]:
+        queues = [e.metrics.waiting_queue_size for e in endpoints]
+        lo, hi = min(queues), max(queues)
+        if hi == lo:
+            return [1.0] * len(queues)
+        span = hi - lo
+        return [(hi - q) / span for q in queues]
+
+
+class KVCacheUtilizationScorer(_NoParams):
+    """1 − KV-cache usage (usage in 0..1; endpoints never scraped count as empty)."""
+
+    type_name = "kv-cache-utilization-scorer"
+
+    def score(self, state: CycleState, request: LLMRequest,
+              endpoints: Sequence[Endpoint]) -> Sequence[float]:
+        out = []
+        for e in endpoints:
+            u = e.metrics.kv_cache_usage
+            out.append(1.0 - (0.0 if u < 0.0 else 1.0 if u > 1.0 else u))
+        return out

@@ -1,0 +1,136 @@
+"""Value types the scheduler works on.
+
+Scheduling runs on an immutable snapshot of endpoint state taken at the start of a cycle
+(design.md §4): :class:`Endpoint` and :class:`Metrics` are frozen; the datastore replaces
+them, never mutates them. :class:`LLMRequest` is the compact request the scheduler sees —
+model, prompt view, headers — so the protocol front can live in another process.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
+
+_EMPTY: Mapping[str, str] = MappingProxyType({})
+
+
+class ApiType(enum.StrEnum):
+    COMPLETIONS = "completions"
+    CHAT_COMPLETIONS = "chat_completions"
+    EMBEDDINGS = "embeddings"
+    RESPONSES = "responses"
+    OTHER = "other"
+
+
+@dataclass(frozen=True, slots=True)
+class Metrics:
+    """Load signals of one endpoint, as last scraped.
+
+    ``updated_at`` is the ``time.monotonic()`` of the last successful scrape, ``None`` when
+    the endpoint was never scraped: scorers treat such endpoints as equally loaded.
+    """
+
+    waiting_queue_size: int = 0
+    running_requests: int = 0
+    kv_cache_usage: float = 0.0
+    active_loras: frozenset[str] = frozenset()
+    waiting_loras: frozenset[str] = frozenset()
+    max_loras: int = 0
+    block_size: int | None = None
+    num_blocks: int | None = None
+    updated_at: float | None = None
+
+    def age(self, now: float) -> float | None:
+        """Seconds since the last successful scrape, or None if never scraped."""
+        return None if self.updated_at is None else max(0.0, now - self.updated_at)
+
+
+NO_METRICS = Metrics()
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Endpoint:
+    """One serving endpoint: a pod's target port. ``key`` is ``address:port``."""
+
+    name: str
+    address: str
+    port: int
+    namespace: str = ""
+    labels: Mapping[str, str] = field(default_factory=lambda: _EMPTY)
+    node_name: str | None = None
+    node_labels: Mapping[str, str] = field(default_factory=lambda: _EMPTY)
+    metrics: Metrics = NO_METRICS
+    key: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        object.__setattr__(self, "key", f"{host}:{self.port}")
+
+    def same_identity(self, other: Endpoint) -> bool:
+        """True when only metrics differ (discovery updates keep metrics of such endpoints)."""
+        return (
+            self.key == other.key
+            and self.name == other.name
+            and self.namespace == other.namespace
+            and dict(self.labels) == dict(other.labels)
+            and self.node_name == other.node_name
+            and dict(self.node_labels) == dict(other.node_labels)
+        )
+
+
+@dataclass(slots=True)
+class LLMRequest:
+    """The compact request the scheduler sees.
+
+    ``prompt`` is the prompt text as the model sees it (all chat messages in order, with
+    roles), used by prefix-affinity plugins. ``target_model`` is the model after any
+    rewrite; ``incoming_model`` is what the client asked for.
+    """
+
+    request_id: str
+    target_model: str
+    incoming_model: str
+    api: ApiType
+    prompt: str
+    headers: Mapping[str, str]
+    stream: bool = False
+    max_tokens: int | None = None
+    cache_salt: str | None = None
+    user: str | None = None
+    objective: str | None = None
+    fairness_id: str | None = None
+    session_token: str | None = None
+
+
+class CycleState(dict[str, Any]):
+    """Per-scheduling-cycle scratch space shared by plugins (keys are plugin-chosen)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScoredEndpoint:
+    endpoint: Endpoint
+    score: float
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileRunResult:
+    """The endpoints one profile chose, primary first (the rest are fallbacks)."""
+
+    endpoints: tuple[Endpoint, ...]
+    scores: Mapping[str, float] = field(default_factory=dict)  # endpoint key -> total weighted score
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulingResult:
+    """Every profile's result (None = that profile filtered to nothing) and the primary."""
+
+    profile_results: Mapping[str, ProfileRunResult | None]
+    primary_profile: str
+
+    @property
+    def primary(self) -> ProfileRunResult:
+        result = self.profile_results[self.primary_profile]
+        assert result is not None, "primary profile must have a result"
+        return result

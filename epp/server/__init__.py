@@ -1,0 +1,1 @@
+"""Server lifecycle: gRPC ext_proc + health, metrics HTTP, endpoint sources."""

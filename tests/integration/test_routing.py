@@ -1,0 +1,228 @@
+"""Real Envoy in front of the EPP and simulated pods, in both request body modes."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import aiohttp
+import orjson
+import pytest
+
+from tests.integration.conftest import (
+    MAX_BODY,
+    Stack,
+    Upstreams,
+    eventually,
+    start_stack,
+    stop_stack,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def completion(prompt: str = "hello world", **extra: object) -> bytes:
+    return orjson.dumps({"model": "sim-model", "prompt": prompt, "max_tokens": 4, **extra})
+
+
+async def post(session: aiohttp.ClientSession, stack: Stack, body: bytes,
+               path: str = "/v1/completions", headers: dict[str, str] | None = None
+               ) -> tuple[int, dict[str, str], bytes]:
+    h = {"content-type": "application/json", **(headers or {})}
+    async with session.post(stack.url + path, data=body, headers=h) as r:
+        return r.status, {k.lower(): v for k, v in r.headers.items()}, await r.read()
+
+
+async def seen_by(session: aiohttp.ClientSession, ups: Upstreams, request_id: str) -> list[int]:
+    """Ports of the upstreams whose debug log has this request id."""
+    out = []
+    for p in ups.ports:
+        for rec in await ups.requests(session, p):
+            if rec["headers"].get("x-request-id") == request_id:  # type: ignore[union-attr]
+                out.append(p)
+    return out
+
+
+async def record(session: aiohttp.ClientSession, ups: Upstreams, port: int,
+                 request_id: str) -> dict[str, object]:
+    for rec in await ups.requests(session, port):
+        if rec["headers"].get("x-request-id") == request_id:  # type: ignore[union-attr]
+            return rec
+    raise AssertionError(f"request {request_id} not seen by upstream {port}")
+
+
+async def test_requests_go_to_the_endpoint_the_epp_chose(
+        stack: Stack, session: aiohttp.ClientSession) -> None:
+    ups = stack.upstreams
+    for port in ups.ports[:3]:
+        for _ in range(3):
+            rid = uuid.uuid4().hex
+            status, headers, _ = await post(session, stack, completion(),
+                                            headers={"x-test-pin": str(port), "x-request-id": rid})
+            assert status == 200
+            assert headers["x-sim-server"] == f"sim-{port}"
+            assert await seen_by(session, ups, rid) == [port]
+            rec = await record(session, ups, port, rid)
+            # The upstream saw the EPP's decision header naming itself.
+            assert rec["headers"]["x-gateway-destination-endpoint"] == f"127.0.0.1:{port}"  # type: ignore[index]
+
+
+async def test_unpinned_traffic_spreads_over_all_endpoints(
+        stack: Stack, session: aiohttp.ClientSession) -> None:
+    served: Counter[str] = Counter()
+    for _ in range(30):
+        status, headers, _ = await post(session, stack, completion())
+        assert status == 200
+        served[headers["x-sim-server"]] += 1
+    # Equal scores → random tie-break over the 3 configured endpoints; never the 4th.
+    assert set(served) == {f"sim-{p}" for p in stack.upstreams.ports[:3]}
+
+
+async def test_client_routing_headers_do_not_change_the_route(
+        stack: Stack, session: aiohttp.ClientSession) -> None:
+    a, b = stack.upstreams.ports[0], stack.upstreams.ports[1]
+    fourth = stack.upstreams.ports[3]  # not in the pool at all
+    for forged in (f"127.0.0.1:{b}", f"127.0.0.1:{fourth}"):
+        rid = uuid.uuid4().hex
+        status, headers, _ = await post(session, stack, completion(), headers={
+            "x-test-pin": str(a), "x-request-id": rid,
+            "x-gateway-destination-endpoint": forged,
+            "x-prefiller-host-port": "127.0.0.1:1"})
+        assert status == 200 and headers["x-sim-server"] == f"sim-{a}"
+        rec = await record(session, stack.upstreams, a, rid)
+        assert rec["headers"]["x-gateway-destination-endpoint"] == f"127.0.0.1:{a}"  # type: ignore[index]
+        assert "x-prefiller-host-port" not in rec["headers"]  # type: ignore[operator]
+
+
+async def test_one_megabyte_body_arrives_byte_exact(
+        stack: Stack, session: aiohttp.ClientSession) -> None:
+    port = stack.upstreams.ports[2]
+    body = completion("lorem ipsum dolor sit amet " * 40_000)  # ~1.08 MB
+    assert len(body) > 1_000_000
+    rid = uuid.uuid4().hex
+    status, _, resp = await post(session, stack, body,
+                                 headers={"x-test-pin": str(port), "x-request-id": rid})
+    assert status == 200, resp[:300]
+    rec = await record(session, stack.upstreams, port, rid)
+    assert rec["body_len"] == len(body)
+    assert rec["body_sha256"] == hashlib.sha256(body).hexdigest()
+
+
+async def test_sse_streams_through_and_usage_is_counted(
+        stack: Stack, session: aiohttp.ClientSession) -> None:
+    before = await stack.epp.metric(session, "inference_objective_output_tokens_sum")
+    body = orjson.dumps({"model": "sim-model", "stream": True, "max_tokens": 20,
+                         "stream_options": {"include_usage": True},
+                         "messages": [{"role": "user", "content": "tell me a story"}]})
+    async with session.post(stack.url + "/v1/chat/completions", data=body,
+                            headers={"content-type": "application/json"}) as r:
+        assert r.status == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        reads = []
+        async for chunk in r.content.iter_any():
+            reads.append(chunk)
+    text = b"".join(reads).decode()
+    events = [e for e in text.split("\n\n") if e.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert sum('"content"' in e for e in events) >= 20
+    usage = orjson.loads(events[-2][len("data: "):])["usage"]
+    assert usage["completion_tokens"] == 20
+
+    async def counted() -> bool:
+        after = await stack.epp.metric(session, "inference_objective_output_tokens_sum")
+        return after - before == 20
+    await eventually(counted, timeout=5)
+
+
+@pytest.mark.parametrize("body,headers,status,needle", [
+    (b"{not json", {}, 400, "not valid JSON"),
+    (orjson.dumps({"prompt": "x"}), {}, 400, "model"),
+    (orjson.dumps({"model": "m", "prompt": 5}), {}, 400, "prompt"),
+    (b'{"model":"m","prompt":"' + b"x" * (MAX_BODY + 10) + b'"}', {}, 413, "limit"),
+    (completion(), {"x-test-drop-all": "1"}, 429, "filtered out"),
+    (completion(), {"x-test-raise": "1"}, 500, "internal error"),
+])
+async def test_error_rows_reach_the_client(stack: Stack, session: aiohttp.ClientSession,
+                                           body: bytes, headers: dict[str, str], status: int,
+                                           needle: str) -> None:
+    got, h, resp = await post(session, stack, body, headers=headers)
+    assert got == status, resp[:300]
+    assert h["content-type"] == "application/json"
+    err = orjson.loads(resp)["error"]
+    assert err["code"] == status and needle in err["message"]
+
+
+async def test_header_only_get_is_routed(stack: Stack, session: aiohttp.ClientSession) -> None:
+    async with session.get(stack.url + "/v1/models") as r:
+        assert r.status == 200
+        assert r.headers["x-sim-server"] in {f"sim-{p}" for p in stack.upstreams.ports[:3]}
+        assert (await r.json())["data"]
+
+
+async def test_no_endpoints_is_503(upstreams: Upstreams, session: aiohttp.ClientSession,
+                                   tmp_path: Path) -> None:
+    s = await start_stack("FULL_DUPLEX_STREAMED", upstreams, tmp_path, endpoint_ports=[])
+    try:
+        status, _, resp = await post(session, s, completion())
+        assert status == 503
+        assert "no ready endpoints" in orjson.loads(resp)["error"]["message"]
+    finally:
+        await stop_stack(s)
+
+
+async def test_epp_restart_envoy_reconnects(upstreams: Upstreams,
+                                            session: aiohttp.ClientSession,
+                                            tmp_path: Path) -> None:
+    s = await start_stack("FULL_DUPLEX_STREAMED", upstreams, tmp_path)
+    try:
+        assert (await post(session, s, completion()))[0] == 200
+        await s.epp.stop()
+        status, _, _ = await post(session, s, completion())
+        assert status >= 500  # fail-closed while the EPP is down
+        await s.epp.start()
+
+        async def routed() -> bool:
+            return (await post(session, s, completion()))[0] == 200
+        await eventually(routed, timeout=15, interval=0.2)
+        for _ in range(5):
+            assert (await post(session, s, completion()))[0] == 200
+    finally:
+        await stop_stack(s)
+
+
+async def test_endpoints_file_edit_moves_traffic(upstreams: Upstreams,
+                                                 session: aiohttp.ClientSession,
+                                                 tmp_path: Path) -> None:
+    a, b, c = upstreams.ports[:3]
+    s = await start_stack("FULL_DUPLEX_STREAMED", upstreams, tmp_path, endpoint_ports=[a, b])
+    try:
+        served = Counter()
+        for _ in range(12):
+            status, h, _ = await post(session, s, completion())
+            assert status == 200
+            served[h["x-sim-server"]] += 1
+        assert set(served) == {f"sim-{a}", f"sim-{b}"}
+
+        s.epp.write_endpoints([b, c])
+
+        async def switched() -> bool:
+            _, h, _ = await post(session, s, completion(), headers={"x-test-pin": str(c)})
+            return h.get("x-sim-server") == f"sim-{c}"
+        await eventually(switched, timeout=10)
+        served.clear()
+        for _ in range(20):
+            status, h, _ = await post(session, s, completion())
+            assert status == 200
+            served[h["x-sim-server"]] += 1
+        assert set(served) == {f"sim-{b}", f"sim-{c}"}
+
+        # A broken edit is ignored: the last good set stays in force.
+        s.epp.endpoints_file.write_text("endpoints: [{address: nope}]\n")
+        await asyncio.sleep(1.2)
+        status, h, _ = await post(session, s, completion(), headers={"x-test-pin": str(c)})
+        assert status == 200 and h["x-sim-server"] == f"sim-{c}"
+    finally:
+        await stop_stack(s)

@@ -1,0 +1,104 @@
+"""Director: parsing → snapshot (subset) → scheduler → routing; response lifecycle."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from epp.config.loader import load_and_build
+from epp.datastore.store import Datastore
+from epp.errors import BadRequest, ServiceUnavailable
+from epp.observability.metrics import EppMetrics
+from epp.requestcontrol.director import Director
+from epp.scheduling.types import Endpoint, Metrics
+
+
+def make_director(n: int = 3) -> tuple[Director, Datastore]:
+    store = Datastore()
+    store.set_endpoints(Endpoint(f"p{i}", f"10.0.0.{i}", 8000) for i in range(1, n + 1))
+    built = load_and_build()
+    return Director(store, built.scheduler, EppMetrics(store), built.pre_request,
+                    built.response_complete), store
+
+
+H = {":method": "POST", ":path": "/v1/chat/completions", "x-request-id": "r1"}
+CHAT = orjson.dumps({"model": "llama", "messages": [{"role": "user", "content": "hi"}]})
+
+
+def sample(d: Director, name: str) -> float:
+    v = d.metrics.registry.get_sample_value(name, {"model_name": "llama", "target_model_name": "llama"})
+    return v or 0.0
+
+
+async def test_routes_to_least_loaded_endpoint() -> None:
+    d, store = make_director()
+    store.update_metrics("10.0.0.1:8000", Metrics(waiting_queue_size=5, kv_cache_usage=0.9))
+    store.update_metrics("10.0.0.2:8000", Metrics(waiting_queue_size=0, kv_cache_usage=0.1))
+    store.update_metrics("10.0.0.3:8000", Metrics(waiting_queue_size=3, kv_cache_usage=0.5))
+    r = await d.route(H, CHAT, True, None)
+    assert r.destination == "10.0.0.2:8000"
+    assert r.body is None
+    assert "x-request-id" not in r.set_headers
+    assert sample(d, "inference_objective_request_total") == 1
+
+
+async def test_subset_hint_narrows_candidates() -> None:
+    d, _ = make_director()
+    for _ in range(10):
+        r = await d.route(H, CHAT, True, ["10.0.0.3:8000", "10.9.9.9:1"])
+        assert r.destination == "10.0.0.3:8000"
+
+
+async def test_empty_subset_and_empty_pool_are_503() -> None:
+    d, store = make_director()
+    with pytest.raises(ServiceUnavailable) as e:
+        await d.route(H, CHAT, True, [])
+    assert e.value.status == 503
+    store.set_endpoints([])
+    with pytest.raises(ServiceUnavailable, match="no ready endpoints"):
+        await d.route(H, CHAT, True, None)
+    v = d.metrics.registry.get_sample_value(
+        "inference_objective_request_error_total",
+        {"model_name": "llama", "target_model_name": "llama", "error_code": "503"})
+    assert v == 2
+
+
+async def test_bad_body_is_400() -> None:
+    d, _ = make_director()
+    with pytest.raises(BadRequest):
+        await d.route(H, b"not json", True, None)
+
+
+async def test_header_only_request_is_routed_and_gets_request_id() -> None:
+    d, _ = make_director()
+    r = await d.route({":method": "GET", ":path": "/v1/models"}, b"", False, None)
+    assert r.destination.startswith("10.0.0.")
+    assert len(r.set_headers["x-request-id"]) == 32
+
+
+async def test_model_rewrite_and_rewrite_back() -> None:
+    d, _ = make_director()
+    r = await d.route({**H, "x-gateway-model-name-rewrite": "llama-v2"}, CHAT, True, None)
+    assert r.body is not None and orjson.loads(r.body)["model"] == "llama-v2"
+    d.on_response_headers(r.context, 200, {"content-type": "application/json"})
+    out = d.on_response_body(r.context, b'{"id":"x","model":"llama-v2","usage":{}}', True)
+    assert out == b'{"id":"x","model":"llama","usage":{}}'
+
+
+async def test_usage_recorded_and_running_requests_balanced() -> None:
+    d, _ = make_director()
+    r = await d.route(H, CHAT, True, None)
+    running = d.metrics.registry.get_sample_value("inference_objective_running_requests",
+                                                  {"model_name": "llama"})
+    assert running == 1
+    d.on_response_headers(r.context, 200, {"content-type": "application/json"})
+    body = orjson.dumps({"usage": {"prompt_tokens": 7, "completion_tokens": 3,
+                                   "prompt_tokens_details": {"cached_tokens": 4}}})
+    assert d.on_response_body(r.context, body, True) is None
+    d.on_done(r.context, aborted=False)
+    assert d.metrics.registry.get_sample_value("inference_objective_running_requests",
+                                               {"model_name": "llama"}) == 0
+    assert sample(d, "inference_objective_input_tokens_sum") == 7
+    assert sample(d, "inference_objective_output_tokens_sum") == 3
+    assert sample(d, "inference_objective_prompt_cached_tokens_sum") == 4
+    assert sample(d, "inference_objective_request_duration_seconds_count") == 1

@@ -1,0 +1,254 @@
+"""The ext_proc state machine, in memory (no gRPC, no Envoy)."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import orjson
+import pytest
+from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf.struct_pb2 import Struct
+
+from epp.errors import BadRequest, NoCapacity
+from epp.handlers.extproc import MAX_CHUNK_BYTES, ExtProcStream
+from epp.handlers.protocol import Routing
+
+FD = ProcessingMode.FULL_DUPLEX_STREAMED
+BUF = ProcessingMode.BUFFERED
+
+
+class FakeDirector:
+    def __init__(self, routing: Routing | None = None, error: Exception | None = None) -> None:
+        self.routing = routing or Routing("10.0.0.1:8000", context="ctx")
+        self.error = error
+        self.calls: list[tuple[Any, ...]] = []
+
+    async def route(self, headers: Mapping[str, str], body: bytes, has_body: bool,
+                    subset: Sequence[str] | None) -> Routing:
+        self.calls.append(("route", dict(headers), body, has_body, subset))
+        if self.error:
+            raise self.error
+        return self.routing
+
+    def on_response_headers(self, context: Any, status: int,
+                            headers: Mapping[str, str]) -> Mapping[str, str] | None:
+        self.calls.append(("resp_headers", context, status))
+        return None
+
+    def on_response_body(self, context: Any, chunk: bytes, end_of_stream: bool) -> bytes | None:
+        self.calls.append(("resp_body", context, chunk, end_of_stream))
+        return None
+
+    def on_done(self, context: Any, aborted: bool) -> None:
+        self.calls.append(("done", context, aborted))
+
+
+def headers_msg(mode: int = FD, eos: bool = False, extra: dict[str, str] | None = None,
+                subset: list[str] | None = None, resp_mode: int | None = None) -> pb.ProcessingRequest:
+    hs = {":method": "POST", ":path": "/v1/completions", "content-type": "application/json"}
+    hs.update(extra or {})
+    msg = pb.ProcessingRequest(request_headers=pb.HttpHeaders(
+        headers=HeaderMap(headers=[HeaderValue(key=k, raw_value=v.encode()) for k, v in hs.items()]),
+        end_of_stream=eos))
+    msg.protocol_config.request_body_mode = mode  # type: ignore[assignment]
+    msg.protocol_config.response_body_mode = resp_mode if resp_mode is not None else mode  # type: ignore[assignment]
+    if subset is not None:
+        st = Struct()
+        st.update({"x-gateway-destination-endpoint-subset": subset})
+        msg.metadata_context.filter_metadata["envoy.lb.subset_hint"].CopyFrom(st)
+    return msg
+
+
+def body_msg(data: bytes, eos: bool) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=data, end_of_stream=eos))
+
+
+def header_map(resp: pb.ProcessingResponse, phase: str) -> dict[str, str]:
+    common = getattr(resp, phase).response
+    return {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
+
+
+BODY = orjson.dumps({"model": "m", "prompt": "hello"})
+
+
+async def test_full_duplex_withholds_headers_until_body_complete() -> None:
+    d = FakeDirector()
+    s = ExtProcStream(d, 1 << 20)
+    assert await s.handle(headers_msg()) == []
+    assert await s.handle(body_msg(BODY[:10], False)) == []
+    out = await s.handle(body_msg(BODY[10:], True))
+    assert [r.WhichOneof("response") for r in out] == ["request_headers", "request_body"]
+    hdr = out[0]
+    assert hdr.request_headers.response.clear_route_cache
+    assert header_map(hdr, "request_headers")["x-gateway-destination-endpoint"] == "10.0.0.1:8000"
+    opts = hdr.request_headers.response.header_mutation.set_headers
+    assert all(o.append_action == o.OVERWRITE_IF_EXISTS_OR_ADD for o in opts)
+    assert "x-prefiller-host-port" in hdr.request_headers.response.header_mutation.remove_headers
+    md = hdr.dynamic_metadata.fields["envoy.lb"].struct_value.fields
+    assert md["x-gateway-destination-endpoint"].string_value == "10.0.0.1:8000"
+    sr = out[1].request_body.response.body_mutation.streamed_response
+    assert sr.body == BODY and sr.end_of_stream
+    assert d.calls[0][2] == BODY and d.calls[0][3] is True
+
+
+async def test_full_duplex_large_body_is_chunked_at_62000() -> None:
+    big = b"x" * (MAX_CHUNK_BYTES * 2 + 5)
+    s = ExtProcStream(FakeDirector(), 1 << 20)
+    await s.handle(headers_msg())
+    out = await s.handle(body_msg(big, True))
+    pieces = [r.request_body.response.body_mutation.streamed_response for r in out[1:]]
+    assert [len(p.body) for p in pieces] == [MAX_CHUNK_BYTES, MAX_CHUNK_BYTES, 5]
+    assert [p.end_of_stream for p in pieces] == [False, False, True]
+    assert b"".join(p.body for p in pieces) == big
+
+
+async def test_full_duplex_rewritten_body_is_sent() -> None:
+    d = FakeDirector(Routing("10.0.0.1:8000", body=b'{"model":"x"}', context=1))
+    s = ExtProcStream(d, 1 << 20)
+    await s.handle(headers_msg())
+    out = await s.handle(body_msg(BODY, True))
+    assert out[1].request_body.response.body_mutation.streamed_response.body == b'{"model":"x"}'
+
+
+async def test_full_duplex_trailers_end_the_body() -> None:
+    d = FakeDirector()
+    s = ExtProcStream(d, 1 << 20)
+    await s.handle(headers_msg())
+    assert await s.handle(body_msg(BODY, False)) == []
+    out = await s.handle(pb.ProcessingRequest(request_trailers=pb.HttpTrailers()))
+    assert [r.WhichOneof("response") for r in out] == [
+        "request_headers", "request_body", "request_trailers"]
+
+
+async def test_header_only_request_routes_at_once() -> None:
+    d = FakeDirector()
+    s = ExtProcStream(d, 1 << 20)
+    out = await s.handle(headers_msg(eos=True, extra={":method": "GET", ":path": "/v1/models"}))
+    assert len(out) == 1 and header_map(out[0], "request_headers")[
+        "x-gateway-destination-endpoint"] == "10.0.0.1:8000"
+    assert d.calls[0][3] is False
+
+
+async def test_buffered_answers_headers_then_routes_in_body() -> None:
+    d = FakeDirector(Routing("10.0.0.2:8000", set_headers={"x-prefiller-host-port": "10.0.0.9:8000"},
+                             context=1))
+    s = ExtProcStream(d, 1 << 20)
+    out = await s.handle(headers_msg(BUF))
+    assert len(out) == 1 and out[0].WhichOneof("response") == "request_headers"
+    removed = list(out[0].request_headers.response.header_mutation.remove_headers)
+    assert "x-gateway-destination-endpoint" in removed
+    # end_of_stream false (trailers follow): must not wait.
+    out = await s.handle(body_msg(BODY, False))
+    assert len(out) == 1
+    hm = header_map(out[0], "request_body")
+    assert hm == {"x-gateway-destination-endpoint": "10.0.0.2:8000",
+                  "x-prefiller-host-port": "10.0.0.9:8000"}
+    assert out[0].request_body.response.clear_route_cache
+    assert out[0].dynamic_metadata.fields["envoy.lb"].struct_value.fields[
+        "x-gateway-destination-endpoint"].string_value == "10.0.0.2:8000"
+
+
+async def test_buffered_body_rewrite_sets_content_length() -> None:
+    d = FakeDirector(Routing("10.0.0.2:8000", body=b'{"model":"longer"}', context=1))
+    s = ExtProcStream(d, 1 << 20)
+    await s.handle(headers_msg(BUF))
+    out = await s.handle(body_msg(BODY, True))
+    assert out[0].request_body.response.body_mutation.body == b'{"model":"longer"}'
+    assert header_map(out[0], "request_body")["content-length"] == str(len(b'{"model":"longer"}'))
+
+
+@pytest.mark.parametrize("mode", [FD, BUF])
+async def test_body_over_limit_is_413(mode: int) -> None:
+    d = FakeDirector()
+    s = ExtProcStream(d, 100)
+    await s.handle(headers_msg(mode))
+    out = await s.handle(body_msg(b"x" * 101, mode == BUF))
+    assert out[0].immediate_response.status.code == 413
+    assert s.closed and d.calls == []
+    err = orjson.loads(out[0].immediate_response.body)["error"]
+    assert err["code"] == 413 and "100 bytes" in err["message"]
+
+
+@pytest.mark.parametrize("exc,status", [(BadRequest("no model"), 400), (NoCapacity("full"), 429),
+                                        (RuntimeError("boom"), 500)])
+async def test_director_errors_become_immediate_responses(exc: Exception, status: int) -> None:
+    s = ExtProcStream(FakeDirector(error=exc), 1 << 20)
+    await s.handle(headers_msg())
+    out = await s.handle(body_msg(BODY, True))
+    ir = out[0].immediate_response
+    assert ir.status.code == status and s.closed
+    body = orjson.loads(ir.body)
+    assert body["error"]["code"] == status and body["error"]["message"]
+    assert any(h.header.key == "content-type" for h in ir.headers.set_headers)
+
+
+async def test_subset_hint_is_passed() -> None:
+    d = FakeDirector()
+    s = ExtProcStream(d, 1 << 20)
+    await s.handle(headers_msg(subset=["10.0.0.1:8000", "10.0.0.3:8000"]))
+    await s.handle(body_msg(BODY, True))
+    assert d.calls[0][4] == ["10.0.0.1:8000", "10.0.0.3:8000"]
+
+
+async def test_no_subset_hint_is_none() -> None:
+    d = FakeDirector()
+    s = ExtProcStream(d, 1 << 20)
+    await s.handle(headers_msg())
+    await s.handle(body_msg(BODY, True))
+    assert d.calls[0][4] is None
+
+
+async def test_response_passthrough_full_duplex_and_done_once() -> None:
+    d = FakeDirector()
+    s = ExtProcStream(d, 1 << 20)
+    await s.handle(headers_msg())
+    await s.handle(body_msg(BODY, True))
+    rh = pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=HeaderMap(headers=[
+        HeaderValue(key=":status", raw_value=b"200"),
+        HeaderValue(key="content-type", raw_value=b"text/event-stream")])))
+    out = await s.handle(rh)
+    assert out[0].WhichOneof("response") == "response_headers"
+    out = await s.handle(pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: 1\n\n")))
+    assert out[0].response_body.response.body_mutation.streamed_response.body == b"data: 1\n\n"
+    out = await s.handle(pb.ProcessingRequest(response_body=pb.HttpBody(body=b"", end_of_stream=True)))
+    assert out[0].response_body.response.body_mutation.streamed_response.end_of_stream
+    s.finish()
+    assert [c for c in d.calls if c[0] == "done"] == [("done", "ctx", False)]
+    assert ("resp_headers", "ctx", 200) in d.calls
+
+
+async def test_response_buffered_mode_continues() -> None:
+    d = FakeDirector()
+    s = ExtProcStream(d, 1 << 20)
+    await s.handle(headers_msg(BUF, resp_mode=ProcessingMode.STREAMED))
+    await s.handle(body_msg(BODY, True))
+    out = await s.handle(pb.ProcessingRequest(response_body=pb.HttpBody(body=b"{}", end_of_stream=True)))
+    assert out[0].WhichOneof("response") == "response_body"
+    assert not out[0].response_body.response.HasField("body_mutation")
+
+
+async def test_stream_aborted_reports_aborted() -> None:
+    d = FakeDirector()
+    s = ExtProcStream(d, 1 << 20)
+    await s.handle(headers_msg())
+    await s.handle(body_msg(BODY, True))
+    s.finish()
+    s.finish()
+    assert [c for c in d.calls if c[0] == "done"] == [("done", "ctx", True)]
+
+
+async def test_callback_failure_after_routing_passes_response_through() -> None:
+    class Failing(FakeDirector):
+        def on_response_body(self, context: Any, chunk: bytes, end_of_stream: bool) -> bytes | None:
+            raise RuntimeError("bug")
+
+    d = Failing()
+    s = ExtProcStream(d, 1 << 20)
+    await s.handle(headers_msg())
+    await s.handle(body_msg(BODY, True))
+    out = await s.handle(pb.ProcessingRequest(response_body=pb.HttpBody(body=b"abc", end_of_stream=True)))
+    assert out[0].response_body.response.body_mutation.streamed_response.body == b"abc"
+    assert not s.closed
+    assert [c for c in d.calls if c[0] == "done"] == [("done", "ctx", False)]

@@ -50,3 +50,48 @@ CONFIG_API_VERSIONS: Final = (
     "llm-d.ai/v1alpha1",
 )
 CONFIG_KIND: Final = "EndpointPickerConfig"
+
+# --- Model-server engines (label values of LABEL_ENGINE / LABEL_ENGINE_GIE) ---
+ENGINE_VLLM: Final = "vllm"
+ENGINE_SGLANG: Final = "sglang"
+ENGINE_TRTLLM_SERVE: Final = "trtllm-serve"
+ENGINE_TRITON_TRTLLM: Final = "triton-tensorrt-llm"
+
+# --- Model-server Prometheus metrics the scraper reads (design.md §6) ---
+# vLLM
+VLLM_WAITING: Final = "vllm:num_requests_waiting"
+VLLM_RUNNING: Final = "vllm:num_requests_running"
+VLLM_KV_USAGE: Final = "vllm:kv_cache_usage_perc"
+VLLM_KV_USAGE_OLD: Final = "vllm:gpu_cache_usage_perc"  # vLLM before v0.10
+VLLM_LORA_INFO: Final = "vllm:lora_requests_info"
+VLLM_CACHE_CONFIG: Final = "vllm:cache_config_info"
+VLLM_PREFIX_HITS: Final = "vllm:prefix_cache_hits_total"
+VLLM_PREFIX_QUERIES: Final = "vllm:prefix_cache_queries_total"
+LORA_RUNNING_LABEL: Final = "running_lora_adapters"
+LORA_WAITING_LABEL: Final = "waiting_lora_adapters"
+LORA_MAX_LABEL: Final = "max_lora"
+VLLM_BLOCK_SIZE_LABEL: Final = "block_size"
+VLLM_NUM_BLOCKS_LABEL: Final = "num_gpu_blocks"
+# SGLang
+SGLANG_WAITING: Final = "sglang:num_queue_reqs"
+SGLANG_RUNNING: Final = "sglang:num_running_reqs"
+SGLANG_KV_USAGE: Final = "sglang:token_usage"
+SGLANG_CACHE_CONFIG: Final = "sglang:cache_config_info"
+SGLANG_PAGE_SIZE_LABEL: Final = "page_size"
+SGLANG_NUM_PAGES_LABEL: Final = "num_pages"
+# trtllm-serve
+TRTLLM_WAITING: Final = "trtllm_num_requests_waiting"
+TRTLLM_RUNNING: Final = "trtllm_num_requests_running"
+TRTLLM_KV_USAGE: Final = "trtllm_kv_cache_utilization"
+TRTLLM_TOKENS_PER_BLOCK: Final = "trtllm_kv_cache_tokens_per_block"
+TRTLLM_MAX_BLOCKS: Final = "trtllm_kv_cache_max_blocks"
+# Triton with the TensorRT-LLM backend (label-selected series)
+TRITON_REQUEST_METRICS: Final = "nv_trt_llm_request_metrics"
+TRITON_REQUEST_TYPE_LABEL: Final = "request_type"
+TRITON_REQUEST_WAITING: Final = "waiting"
+TRITON_REQUEST_SCHEDULED: Final = "scheduled"
+TRITON_KV_BLOCK_METRICS: Final = "nv_trt_llm_kv_cache_block_metrics"
+TRITON_KV_BLOCK_TYPE_LABEL: Final = "kv_cache_block_type"
+TRITON_KV_FRACTION: Final = "fraction"
+TRITON_KV_TOKENS_PER_BLOCK: Final = "tokens_per"
+TRITON_KV_MAX_BLOCKS: Final = "max"

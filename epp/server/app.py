@@ -101,6 +101,11 @@ class EppServer:
             ("grpc.so_reuseport", 0),
             ("grpc.max_receive_message_length", max_message),
             ("grpc.max_send_message_length", max_message),
+            # Accept Envoy's HTTP/2 keepalive PINGs (the shipped Envoy config sends them so
+            # a hung EPP fails requests instead of hanging full-duplex streams forever).
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+            ("grpc.http2.max_ping_strikes", 0),
         ])
 
     def _bind(self, server: grpc.aio.Server, port: int, what: str) -> None:

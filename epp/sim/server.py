@@ -294,7 +294,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 "created": created,
                 "model": model,
                 "choices": [
-                    {"index": 0, "text": "".join(tokens), "logprobs": None, "finish_reason": "length"}
+                    {
+                        "index": 0,
+                        "text": "".join(tokens),
+                        "logprobs": None,
+                        "finish_reason": "length",
+                    }
                 ],
                 "usage": usage,
             }
@@ -400,7 +405,9 @@ async def embeddings(request: web.Request) -> web.StreamResponse:
         raise BadRequest("'input' is required")
     inp = body["input"]
     prompt_tokens = _count_prompt(inp)
-    items: list[Any] = inp if isinstance(inp, list) and inp and not isinstance(inp[0], int) else [inp]
+    items: list[Any] = (
+        inp if isinstance(inp, list) and inp and not isinstance(inp[0], int) else [inp]
+    )
     data = []
     for i, item in enumerate(items):
         digest = hashlib.sha256(orjson.dumps(item)).digest()
@@ -569,7 +576,9 @@ async def start_servers(
     runners: list[web.AppRunner] = []
     try:
         for port in ports:
-            runner = web.AppRunner(build_app(f"sim-{port}", model, delay_s=delay_s), access_log=None)
+            runner = web.AppRunner(
+                build_app(f"sim-{port}", model, delay_s=delay_s), access_log=None
+            )
             await runner.setup()
             runners.append(runner)
             await web.TCPSite(runner, host, port).start()
@@ -613,12 +622,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m epp.sim.server", description="OpenAI-compatible model-server simulator"
     )
-    parser.add_argument("--port", type=int, action="append", required=True,
-                        help="port to serve a simulated pod on (repeatable)")
+    parser.add_argument(
+        "--port",
+        type=int,
+        action="append",
+        required=True,
+        help="port to serve a simulated pod on (repeatable)",
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--delay-s", type=float, default=0.0,
-                        help="artificial latency added to every POST (seconds)")
+    parser.add_argument(
+        "--delay-s",
+        type=float,
+        default=0.0,
+        help="artificial latency added to every POST (seconds)",
+    )
     args = parser.parse_args(argv)
     if args.delay_s < 0:
         parser.error("--delay-s must be >= 0")

@@ -15,7 +15,7 @@ import time
 from importlib import resources
 from pathlib import Path
 from string import Template
-from typing import Final
+from typing import Final, Self
 
 import aiohttp
 
@@ -107,6 +107,7 @@ def render_envoy_config(
     message_timeout_s: float = 30.0,
     route_timeout_s: float = 300.0,
     max_body_bytes: int = 64 << 20,
+    epp_keepalive_s: float | None = 10.0,
 ) -> str:
     """Render the Envoy bootstrap YAML.
 
@@ -120,16 +121,35 @@ def render_envoy_config(
     - ``body_mode`` is one of :data:`BODY_MODES`; see ``_PROCESSING_MODES`` for what each
       sets. ``max_body_bytes`` raises the per-connection buffer limits so BUFFERED bodies
       up to that size are accepted (Envoy's default 1 MiB would give 413).
+    - ``epp_keepalive_s``: when set, Envoy PINGs its HTTP/2 connection to the EPP every
+      that many seconds and drops it when a PING is unanswered for as long. Why: an EPP
+      port that accepts TCP but never speaks HTTP/2 (a hung or half-started process)
+      stalls FULL_DUPLEX_STREAMED requests indefinitely (``message_timeout`` is not
+      enforced there, nor is a ``grpc_service`` timeout); with keepalive they fail with
+      500 after about twice this. Default 10 s; ``epp serve`` permits such PINGs
+      (``grpc.http2.min_ping_interval_without_data_ms`` 1 s, ``max_ping_strikes`` 0) —
+      other gRPC servers may answer frequent PINGs with GOAWAY "too_many_pings";
+      ``None`` turns keepalive off.
 
     Raises ValueError for an unknown ``body_mode``, a bad port, a negative timeout or a
     non-positive ``max_body_bytes``.
     """
     if body_mode not in _PROCESSING_MODES:
-        raise ValueError(f"unknown body_mode {body_mode!r}; expected one of {', '.join(BODY_MODES)}")
+        raise ValueError(
+            f"unknown body_mode {body_mode!r}; expected one of {', '.join(BODY_MODES)}"
+        )
     if not isinstance(max_body_bytes, int) or max_body_bytes <= 0:
         raise ValueError(f"max_body_bytes must be a positive int, got {max_body_bytes!r}")
     if max_body_bytes >= 1 << 32:
-        raise ValueError(f"max_body_bytes must be below 4 GiB (uint32 in Envoy), got {max_body_bytes}")
+        raise ValueError(
+            f"max_body_bytes must be below 4 GiB (uint32 in Envoy), got {max_body_bytes}"
+        )
+    keepalive = ""
+    if epp_keepalive_s is not None:
+        if not epp_keepalive_s > 0:
+            raise ValueError(f"epp_keepalive_s must be > 0, got {epp_keepalive_s!r}")
+        interval = _duration(epp_keepalive_s)
+        keepalive = f"connection_keepalive: {{interval: {interval}, timeout: {interval}}}"
     processing_mode = "".join(
         _PROCESSING_MODE_INDENT + line + "\n" for line in _PROCESSING_MODES[body_mode].splitlines()
     ).rstrip("\n")
@@ -144,6 +164,7 @@ def render_envoy_config(
         route_timeout=_duration(route_timeout_s),
         max_body_bytes=max_body_bytes,
         processing_mode=processing_mode,
+        http2_options="{" + keepalive + "}",
     )
 
 
@@ -200,9 +221,12 @@ class EnvoyProcess:
         self._proc = ManagedProcess(
             [
                 binary,
-                "-c", str(self.config_path),
-                "--concurrency", str(concurrency),
-                "--log-level", "warn",
+                "-c",
+                str(self.config_path),
+                "--concurrency",
+                str(concurrency),
+                "--log-level",
+                "warn",
                 "--disable-hot-restart",
                 "--use-dynamic-base-id",
             ],
@@ -232,7 +256,7 @@ class EnvoyProcess:
                     async with session.get(url) as resp:
                         if resp.status == 200:
                             return
-                except (aiohttp.ClientError, asyncio.TimeoutError):
+                except (TimeoutError, aiohttp.ClientError):
                     pass
                 if time.monotonic() >= deadline:
                     raise TimeoutError(
@@ -252,7 +276,7 @@ class EnvoyProcess:
         """The last ``n`` lines of Envoy's log ("" before :meth:`start`)."""
         return self._proc.log_tail(n) if self._proc is not None else ""
 
-    async def __aenter__(self) -> EnvoyProcess:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:

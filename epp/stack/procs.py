@@ -14,7 +14,7 @@ import socket
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Self
 
 __all__ = ["ManagedProcess", "free_port", "wait_port"]
 
@@ -45,7 +45,7 @@ async def wait_port(host: str, port: int, timeout: float = 10.0) -> None:
             _, writer = await asyncio.wait_for(
                 asyncio.open_connection(host, port), timeout=max(0.05, deadline - time.monotonic())
             )
-        except (OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, OSError) as exc:
             last_error = exc if isinstance(exc, OSError) else None
         else:
             writer.close()
@@ -53,8 +53,10 @@ async def wait_port(host: str, port: int, timeout: float = 10.0) -> None:
                 await writer.wait_closed()
             return
         if time.monotonic() >= deadline:
-            raise TimeoutError(f"{host}:{port} did not accept connections within {timeout}s"
-                               + (f" (last error: {last_error})" if last_error else ""))
+            raise TimeoutError(
+                f"{host}:{port} did not accept connections within {timeout}s"
+                + (f" (last error: {last_error})" if last_error else "")
+            )
         await asyncio.sleep(0.02)
 
 
@@ -110,8 +112,7 @@ class ManagedProcess:
         program cannot be executed."""
         if self._proc is not None:
             raise RuntimeError(f"process already started: {self.argv[0]}")
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self._log = self._open_log()
         env = {**os.environ, **self.env} if self.env is not None else None
         try:
             self._proc = await asyncio.create_subprocess_exec(
@@ -127,6 +128,12 @@ class ManagedProcess:
             self._log.close()
             self._log = None
             raise
+
+    def _open_log(self) -> IO[bytes]:
+        """Create the parent directory and truncate the log (a local file: fast enough to
+        do on the loop). The handle is closed by :meth:`stop`."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        return open(self.log_path, "wb")
 
     async def wait(self) -> int:
         """Wait for the child to exit and return its exit status."""
@@ -160,7 +167,7 @@ class ManagedProcess:
                 self._signal(signal.SIGTERM)
                 try:
                     await asyncio.wait_for(self._proc.wait(), timeout=grace)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     self._signal(signal.SIGKILL)
                     await self._proc.wait()
             # Stragglers forked by the child (same session) do not outlive it.
@@ -181,7 +188,7 @@ class ManagedProcess:
         lines = data.decode("utf-8", errors="replace").splitlines()
         return "\n".join(lines[-n:])
 
-    async def __aenter__(self) -> ManagedProcess:
+    async def __aenter__(self) -> Self:
         if self._proc is None:
             await self.start()
         return self

@@ -47,7 +47,7 @@ async def _sse_events(resp: aiohttp.ClientResponse) -> tuple[list[bytes], int]:
     for event in events:
         for line in event.split(b"\n"):
             if line.startswith(b"data: "):
-                datas.append(line[len(b"data: "):])
+                datas.append(line[len(b"data: ") :])
     return datas, http_chunks
 
 
@@ -63,7 +63,8 @@ async def _wait_for(predicate: Any, timeout: float = 5.0) -> None:
 
 async def test_completions_json_usage_and_header(client: TestClient[Any, Any]) -> None:
     resp = await client.post(
-        "/v1/completions", json={"model": "other", "prompt": "one two  three\nfour", "max_tokens": 5}
+        "/v1/completions",
+        json={"model": "other", "prompt": "one two  three\nfour", "max_tokens": 5},
     )
     assert resp.status == 200
     assert resp.headers[SIM_SERVER_HEADER] == "sim-a"
@@ -96,10 +97,13 @@ async def test_chat_json_counts_every_message(client: TestClient[Any, Any]) -> N
             "max_completion_tokens": 3,
             "messages": [
                 {"role": "system", "content": "you are terse"},
-                {"role": "user", "content": [
-                    {"type": "text", "text": "hello there"},
-                    {"type": "image_url", "image_url": {"url": "data:"}},
-                ]},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "hello there"},
+                        {"type": "image_url", "image_url": {"url": "data:"}},
+                    ],
+                },
             ],
         },
     )
@@ -123,7 +127,8 @@ async def test_embeddings(client: TestClient[Any, Any]) -> None:
 
 async def test_responses_api(client: TestClient[Any, Any]) -> None:
     resp = await client.post(
-        "/v1/responses", json={"model": MODEL, "input": "why is the sky blue", "max_output_tokens": 4}
+        "/v1/responses",
+        json={"model": MODEL, "input": "why is the sky blue", "max_output_tokens": 4},
     )
     assert resp.status == 200
     body = await resp.json()
@@ -180,8 +185,12 @@ async def test_chat_sse(client: TestClient[Any, Any], include_usage: bool) -> No
 async def test_completions_sse(client: TestClient[Any, Any]) -> None:
     resp = await client.post(
         "/v1/completions",
-        json={"prompt": "x y", "stream": True, "max_tokens": 2,
-              "stream_options": {"include_usage": True}},
+        json={
+            "prompt": "x y",
+            "stream": True,
+            "max_tokens": 2,
+            "stream_options": {"include_usage": True},
+        },
     )
     datas, _ = await _sse_events(resp)
     assert datas[-1] == b"[DONE]"
@@ -233,7 +242,9 @@ async def test_bad_requests_are_400(client: TestClient[Any, Any], path: str, dat
 async def test_debug_log_records_and_clears(client: TestClient[Any, Any]) -> None:
     payload = orjson.dumps({"prompt": "hello", "max_tokens": 1})
     resp = await client.post(
-        "/v1/completions", data=payload, headers={"X-Custom": "Yes", "content-type": "application/json"}
+        "/v1/completions",
+        data=payload,
+        headers={"X-Custom": "Yes", "content-type": "application/json"},
     )
     assert resp.status == 200
     await client.post("/v1/chat/completions", data=b"bad")  # a 400 is recorded too
@@ -247,7 +258,7 @@ async def test_debug_log_records_and_clears(client: TestClient[Any, Any]) -> Non
     resp = await client.delete("/debug/requests")
     assert resp.status == 204
     assert await (await client.get("/debug/requests")).json() == []
-    assert client.server.app[STATE_KEY].requests.maxlen == DEBUG_LOG_SIZE
+    assert build_app("x", MODEL)[STATE_KEY].requests.maxlen == DEBUG_LOG_SIZE
 
 
 def _gauge(text: str, name: str) -> float:
@@ -299,10 +310,10 @@ async def test_module_entry_point(tmp_path: Path) -> None:
     )
     async with proc:
         await wait_port("127.0.0.1", port, timeout=15)
-        async with aiohttp.ClientSession() as session:
-            async with session.post(
-                f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "a"}
-            ) as resp:
-                assert resp.status == 200
-                assert resp.headers[SIM_SERVER_HEADER] == f"sim-{port}"
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "a"}) as resp,
+        ):
+            assert resp.status == 200
+            assert resp.headers[SIM_SERVER_HEADER] == f"sim-{port}"
     assert proc.returncode == 0, proc.log_tail()  # SIGTERM shuts it down cleanly

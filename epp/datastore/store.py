@@ -2,21 +2,25 @@
 
 Discovery replaces the endpoint set; the metrics layer replaces one endpoint's metrics.
 Both swap frozen :class:`Endpoint` objects, so a :meth:`snapshot` taken at the start of a
-scheduling cycle never changes under the scheduler. Listeners hear about removals (e.g.
-the prefix index forgets a removed endpoint).
+scheduling cycle never changes under the scheduler. Listeners hear about additions (the
+metrics scraper starts polling) and removals (the scraper stops; the prefix index forgets
+the endpoint). Listeners run synchronously inside :meth:`set_endpoints`, after the new set
+is in place, and must not raise (a raising listener is logged and skipped).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 from epp.scheduling.types import Endpoint, Metrics
 
 log = logging.getLogger(__name__)
 
 RemovalListener = Callable[[Endpoint], None]
+AdditionListener = Callable[[Endpoint], None]
+Unsubscribe = Callable[[], None]
 
 
 class Datastore:
@@ -24,10 +28,19 @@ class Datastore:
         self._endpoints: dict[str, Endpoint] = {}
         self._snapshot: tuple[Endpoint, ...] | None = ()
         self._removal_listeners: list[RemovalListener] = []
+        self._addition_listeners: list[AdditionListener] = []
         self.synced = False
 
-    def on_removed(self, listener: RemovalListener) -> None:
+    def on_removed(self, listener: RemovalListener) -> Unsubscribe:
+        """Call ``listener(endpoint)`` for each endpoint removed; returns an unsubscribe."""
         self._removal_listeners.append(listener)
+        return lambda: _discard(self._removal_listeners, listener)
+
+    def on_added(self, listener: AdditionListener) -> Unsubscribe:
+        """Call ``listener(endpoint)`` for each endpoint key added (not for endpoints
+        already present when subscribing); returns an unsubscribe."""
+        self._addition_listeners.append(listener)
+        return lambda: _discard(self._addition_listeners, listener)
 
     def set_endpoints(self, endpoints: Iterable[Endpoint]) -> tuple[list[str], list[str]]:
         """Replace the whole set. Unchanged endpoints keep their metrics.
@@ -46,11 +59,17 @@ class Datastore:
         self._snapshot = None
         self.synced = True
         for ep in removed:
-            for listener in self._removal_listeners:
+            for listener in list(self._removal_listeners):
                 try:
                     listener(ep)
                 except Exception:  # a listener bug must not lose the update
                     log.exception("endpoint removal listener failed for %s", ep.key)
+        for key in added:
+            for listener in list(self._addition_listeners):
+                try:
+                    listener(new[key])
+                except Exception:
+                    log.exception("endpoint addition listener failed for %s", key)
         if added or removed:
             log.info("endpoints: +%s -%s (now %d)", added, [e.key for e in removed], len(new))
         return added, [e.key for e in removed]
@@ -64,6 +83,22 @@ class Datastore:
         self._snapshot = None
         return True
 
+    def update_metrics_many(self, updates: Mapping[str, Metrics]) -> int:
+        """Swap in metrics for several endpoints with one snapshot invalidation.
+
+        Keys no longer present are skipped. Returns how many endpoints were updated.
+        """
+        n = 0
+        eps = self._endpoints
+        for key, metrics in updates.items():
+            ep = eps.get(key)
+            if ep is not None:
+                eps[key] = dataclasses.replace(ep, metrics=metrics)
+                n += 1
+        if n:
+            self._snapshot = None
+        return n
+
     def get(self, key: str) -> Endpoint | None:
         return self._endpoints.get(key)
 
@@ -76,3 +111,11 @@ class Datastore:
 
     def __len__(self) -> int:
         return len(self._endpoints)
+
+
+def _discard(listeners: list[Callable[[Endpoint], None]],
+             listener: Callable[[Endpoint], None]) -> None:
+    try:
+        listeners.remove(listener)
+    except ValueError:
+        pass

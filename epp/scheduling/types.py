@@ -30,6 +30,14 @@ class Metrics:
 
     ``updated_at`` is the ``time.monotonic()`` of the last successful scrape, ``None`` when
     the endpoint was never scraped: scorers treat such endpoints as equally loaded.
+    The metrics scraper refreshes it in the datastore at least every
+    ``ScrapeOptions.freshness_resolution_s`` while scrapes succeed (always when a value
+    changes), so :meth:`age` may over-state the true age by that much.
+
+    ``stale`` is set by the scraper when the last successful scrape is older than its
+    staleness threshold (``--metrics-staleness-threshold``): the values are the last
+    ones seen, kept rather than dropped. It is the authoritative freshness signal;
+    :meth:`is_stale` combines it with a caller's own threshold.
     """
 
     waiting_queue_size: int = 0
@@ -41,10 +49,19 @@ class Metrics:
     block_size: int | None = None
     num_blocks: int | None = None
     updated_at: float | None = None
+    stale: bool = False
 
     def age(self, now: float) -> float | None:
         """Seconds since the last successful scrape, or None if never scraped."""
         return None if self.updated_at is None else max(0.0, now - self.updated_at)
+
+    def is_stale(self, now: float, threshold: float | None = None) -> bool:
+        """True when marked stale, or (given ``threshold``) never scraped or older than it."""
+        if self.stale:
+            return True
+        if threshold is None:
+            return False
+        return self.updated_at is None or now - self.updated_at > threshold
 
 
 NO_METRICS = Metrics()

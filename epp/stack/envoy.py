@@ -15,6 +15,7 @@ import time
 from importlib import resources
 from pathlib import Path
 from string import Template
+from collections.abc import Sequence
 from typing import Final, Self
 
 import aiohttp
@@ -108,6 +109,7 @@ def render_envoy_config(
     route_timeout_s: float = 300.0,
     max_body_bytes: int = 64 << 20,
     epp_keepalive_s: float | None = 10.0,
+    pool_endpoints: Sequence[str] | None = None,
 ) -> str:
     """Render the Envoy bootstrap YAML.
 
@@ -130,6 +132,13 @@ def render_envoy_config(
       (``grpc.http2.min_ping_interval_without_data_ms`` 1 s, ``max_ping_strikes`` 0) —
       other gRPC servers may answer frequent PINGs with GOAWAY "too_many_pings";
       ``None`` turns keepalive off.
+    - ``pool_endpoints`` (``ip:port`` strings): when given, the routing cluster is STATIC
+      with these endpoints and Envoy's ``override_host`` load-balancing policy, which reads
+      the EPP's comma-separated list (primary first, then fallbacks) from the header, then
+      the ``envoy.lb`` metadata; the route retries connect failures and resets twice, each
+      retry taking the next host of the list. Needed for ``maxNumOfEndpoints`` > 1: the
+      default ORIGINAL_DST cluster accepts one address only. Hosts must be known to Envoy:
+      a named host Envoy does not know falls back to round robin.
 
     Raises ValueError for an unknown ``body_mode``, a bad port, a negative timeout or a
     non-positive ``max_body_bytes``.
@@ -153,6 +162,10 @@ def render_envoy_config(
     processing_mode = "".join(
         _PROCESSING_MODE_INDENT + line + "\n" for line in _PROCESSING_MODES[body_mode].splitlines()
     ).rstrip("\n")
+    if pool_endpoints is None:
+        routing_cluster, retry_policy = _ORIGINAL_DST_CLUSTER, ""
+    else:
+        routing_cluster, retry_policy = _override_host_cluster(pool_endpoints), _RETRY_POLICY
     template = Template(resources.files("epp.stack").joinpath(_TEMPLATE_NAME).read_text("utf-8"))
     return template.substitute(
         listen_port=_port("listen_port", listen_port),
@@ -165,7 +178,70 @@ def render_envoy_config(
         max_body_bytes=max_body_bytes,
         processing_mode=processing_mode,
         http2_options="{" + keepalive + "}",
+        routing_cluster=routing_cluster.replace("${max_body_bytes}", str(max_body_bytes)),
+        retry_policy=retry_policy,
     )
+
+
+_ORIGINAL_DST_CLUSTER: Final = """\
+  - name: original_destination_cluster
+    type: ORIGINAL_DST
+    lb_policy: CLUSTER_PROVIDED
+    connect_timeout: 1s
+    per_connection_buffer_limit_bytes: ${max_body_bytes}
+    original_dst_lb_config:
+      use_http_header: true
+      http_header_name: x-gateway-destination-endpoint
+"""
+
+_RETRY_POLICY: Final = """\
+                  retry_policy:
+                    retry_on: connect-failure,refused-stream,reset
+                    num_retries: 2
+"""
+
+_OVERRIDE_HOST_CLUSTER: Final = """\
+  - name: original_destination_cluster
+    type: STATIC
+    connect_timeout: 1s
+    per_connection_buffer_limit_bytes: ${max_body_bytes}
+    load_assignment:
+      cluster_name: original_destination_cluster
+      endpoints:
+      - lb_endpoints:
+${lb_endpoints}
+    load_balancing_policy:
+      policies:
+      - typed_extension_config:
+          name: envoy.load_balancing_policies.override_host
+          typed_config:
+            "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost
+            override_host_sources:
+            - header: x-gateway-destination-endpoint
+            - metadata:
+                key: envoy.lb
+                path: [{key: x-gateway-destination-endpoint}]
+            fallback_policy:
+              policies:
+              - typed_extension_config:
+                  name: envoy.load_balancing_policies.round_robin
+                  typed_config:
+                    "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin
+"""
+
+
+def _override_host_cluster(pool_endpoints: Sequence[str]) -> str:
+    if not pool_endpoints:
+        raise ValueError("pool_endpoints must name at least one ip:port")
+    lines = []
+    for ep in pool_endpoints:
+        host, sep, port = ep.rpartition(":")
+        if not sep or not host:
+            raise ValueError(f"pool endpoint {ep!r} is not ip:port")
+        host = host.strip("[]")
+        lines.append("        - endpoint: {address: {socket_address: "
+                     f"{{address: '{host}', port_value: {_port('pool endpoint port', int(port))}}}}}}}")
+    return _OVERRIDE_HOST_CLUSTER.replace("${lb_endpoints}", "\n".join(lines))
 
 
 class EnvoyProcess:

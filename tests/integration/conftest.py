@@ -58,6 +58,7 @@ class Epp:
     grpc_port: int = field(default_factory=free_port)
     health_port: int = field(default_factory=free_port)
     metrics_port: int = field(default_factory=free_port)
+    config: str = CONFIG
     proc: ManagedProcess | None = None
     starts: int = 0
 
@@ -74,7 +75,7 @@ class Epp:
             [sys.executable, "-m", "epp.cli", "serve", "--bind-address", "127.0.0.1",
              "--grpc-port", str(self.grpc_port), "--grpc-health-port", str(self.health_port),
              "--metrics-port", str(self.metrics_port), "--endpoints-file",
-             str(self.endpoints_file), "--config-text", CONFIG,
+             str(self.endpoints_file), "--config-text", self.config,
              "--max-request-body-bytes", str(MAX_BODY), "--log-level", "info"],
             log_path=self.workdir / f"epp-{self.starts}.log", env=_env(), cwd=ROOT)
         await self.proc.start()
@@ -132,15 +133,24 @@ async def session() -> AsyncIterator[aiohttp.ClientSession]:
 
 
 async def start_stack(mode: str, upstreams: Upstreams, workdir: Path,
-                      endpoint_ports: list[int] | None = None) -> Stack:
-    epp = Epp(workdir, workdir / "endpoints.yaml")
-    epp.write_endpoints(endpoint_ports if endpoint_ports is not None else upstreams.ports[:3])
+                      endpoint_ports: list[int] | None = None, config: str = CONFIG,
+                      override_host: bool = False) -> Stack:
+    """Envoy + EPP over ``endpoint_ports`` (default: the first three upstreams).
+
+    ``override_host``: route with Envoy's override_host policy over a STATIC cluster of the
+    endpoints (needed for fallbacks), instead of the ORIGINAL_DST cluster.
+    """
+    ports = endpoint_ports if endpoint_ports is not None else upstreams.ports[:3]
+    epp = Epp(workdir, workdir / "endpoints.yaml", config=config)
+    epp.write_endpoints(ports)
     await epp.start()
     port = free_port()
     envoy = EnvoyProcess()
     cfg = render_envoy_config(listen_port=port, epp_port=epp.grpc_port,
                               admin_port=free_port(), body_mode=mode,
-                              max_body_bytes=16 << 20)
+                              max_body_bytes=16 << 20,
+                              pool_endpoints=[f"127.0.0.1:{p}" for p in ports]
+                              if override_host else None)
     try:
         await envoy.start(cfg, workdir)
         await envoy.wait_ready()

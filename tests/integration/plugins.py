@@ -27,6 +27,8 @@ class _Base:
 
 
 class PinScorer(_Base):
+    """``x-test-pin: P1[,P2…]``: port P1 scores 1, P2 0.5, P3 0.25 …; others 0."""
+
     type_name = "tests.integration.plugins:PinScorer"
 
     def score(self, state: CycleState, request: LLMRequest,
@@ -34,7 +36,8 @@ class PinScorer(_Base):
         pin = request.headers.get("x-test-pin")
         if pin is None:
             return [1.0] * len(endpoints)
-        return [1.0 if str(e.port) == pin else 0.0 for e in endpoints]
+        rank = {p.strip(): 0.5 ** i for i, p in enumerate(pin.split(","))}
+        return [rank.get(str(e.port), 0.0) for e in endpoints]
 
 
 class DropAllFilter(_Base):
@@ -76,3 +79,7 @@ schedulingProfiles:
   - {pluginRef: queue-scorer, weight: 1}
   - pluginRef: max-score-picker
 """
+
+FALLBACK_CONFIG = CONFIG.replace(
+    "- type: max-score-picker\n",
+    "- type: max-score-picker\n  parameters: {maxNumOfEndpoints: 2}\n")

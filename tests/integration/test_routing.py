@@ -226,3 +226,34 @@ async def test_endpoints_file_edit_moves_traffic(upstreams: Upstreams,
         assert status == 200 and h["x-sim-server"] == f"sim-{c}"
     finally:
         await stop_stack(s)
+
+
+async def test_fallback_endpoints_are_used_when_the_primary_is_down(
+        upstreams: Upstreams, session: aiohttp.ClientSession, tmp_path: Path) -> None:
+    """maxNumOfEndpoints 2 + Envoy's override_host policy: the dead primary is skipped."""
+    from epp.stack.procs import free_port
+    from tests.integration.plugins import FALLBACK_CONFIG
+
+    dead = free_port()  # nothing listens here
+    a, b = upstreams.ports[:2]
+    s = await start_stack("FULL_DUPLEX_STREAMED", upstreams, tmp_path,
+                          endpoint_ports=[dead, a, b], config=FALLBACK_CONFIG,
+                          override_host=True)
+    try:
+        # Healthy primary: served by it; the header names primary then fallback.
+        rid = uuid.uuid4().hex
+        status, h, _ = await post(session, s, completion(),
+                                  headers={"x-test-pin": f"{b},{a}", "x-request-id": rid})
+        assert status == 200 and h["x-sim-server"] == f"sim-{b}"
+        rec = await record(session, upstreams, b, rid)
+        assert rec["headers"]["x-gateway-destination-endpoint"] == (  # type: ignore[index]
+            f"127.0.0.1:{b},127.0.0.1:{a}")
+        # Dead primary: Envoy retries on the fallback (round robin would also pick b).
+        for _ in range(8):
+            rid = uuid.uuid4().hex
+            status, h, _ = await post(session, s, completion(),
+                                      headers={"x-test-pin": f"{dead},{a}", "x-request-id": rid})
+            assert status == 200 and h["x-sim-server"] == f"sim-{a}"
+            assert await seen_by(session, upstreams, rid) == [a]
+    finally:
+        await stop_stack(s)

@@ -257,3 +257,44 @@ async def test_fallback_endpoints_are_used_when_the_primary_is_down(
             assert await seen_by(session, upstreams, rid) == [a]
     finally:
         await stop_stack(s)
+
+
+async def test_subset_hint_from_envoy_metadata_narrows_candidates(
+        upstreams: Upstreams, session: aiohttp.ClientSession, tmp_path: Path) -> None:
+    """A header_to_metadata filter before ext_proc sets envoy.lb.subset_hint from a header."""
+    import yaml
+
+    a, b, c = upstreams.ports[:3]
+    s = await start_stack("FULL_DUPLEX_STREAMED", upstreams, tmp_path)
+    await s.envoy.stop()
+    doc = yaml.safe_load((tmp_path / "envoy.yaml").read_text())
+    hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["http_filters"].insert(0, {
+        "name": "envoy.filters.http.header_to_metadata",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config",
+            "request_rules": [{"header": "x-subset", "on_header_present": {
+                "metadata_namespace": "envoy.lb.subset_hint",
+                "key": "x-gateway-destination-endpoint-subset", "type": "STRING"}}]}})
+    from epp.stack.envoy import EnvoyProcess
+
+    s.envoy = EnvoyProcess()
+    await s.envoy.start(yaml.safe_dump(doc), tmp_path / "e2")
+    await s.envoy.wait_ready()
+    try:
+        served = Counter()
+        for _ in range(12):
+            status, h, _ = await post(session, s, completion(),
+                                      headers={"x-subset": f"127.0.0.1:{b},127.0.0.1:{c}"})
+            assert status == 200
+            served[h["x-sim-server"]] += 1
+        assert set(served) == {f"sim-{b}", f"sim-{c}"}
+        # Pinning an endpoint outside the subset does not escape it.
+        status, h, _ = await post(session, s, completion(), headers={
+            "x-subset": f"127.0.0.1:{b}", "x-test-pin": str(a)})
+        assert status == 200 and h["x-sim-server"] == f"sim-{b}"
+        # A subset that matches no endpoint is 503.
+        status, _, resp = await post(session, s, completion(), headers={"x-subset": "10.9.9.9:1"})
+        assert status == 503 and "subset" in orjson.loads(resp)["error"]["message"]
+    finally:
+        await stop_stack(s)

@@ -21,21 +21,9 @@ from pathlib import Path
 
 import aiohttp
 import orjson
-import yaml
 
-from epp.stack.envoy import EnvoyProcess, render_envoy_config
+from epp.stack.envoy import EnvoyProcess, render_envoy_config, without_ext_proc
 from epp.stack.procs import ManagedProcess, free_port, wait_port
-
-
-def without_ext_proc(config_yaml: str) -> str:
-    doc = yaml.safe_load(config_yaml)
-    for listener in doc["static_resources"]["listeners"]:
-        for chain in listener["filter_chains"]:
-            for f in chain["filters"]:
-                hcm = f["typed_config"]
-                hcm["http_filters"] = [h for h in hcm["http_filters"]
-                                       if h["name"] != "envoy.filters.http.ext_proc"]
-    return yaml.safe_dump(doc)
 
 
 def quantile(xs: list[float], q: float) -> float:

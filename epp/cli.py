@@ -61,16 +61,26 @@ def _add_sim(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("demo", help="run the local stack: Envoy + simulated model servers + "
                        "the EPP, with a short demo load",
-                       description="Start real Envoy, N simulated model servers and the EPP on "
-                       "free local ports, send a short load through Envoy and report where "
-                       "requests went. Ctrl-C stops everything.")
+                       description="Start real Envoy, simulated model servers and the EPP on "
+                       "free local ports, run a realistic chat workload through the EPP and "
+                       "through plain round robin, and print a side-by-side summary. Ctrl-C "
+                       "stops everything.")
     p.add_argument("--servers", type=int, default=4, help="simulated model servers (default 4)")
-    p.add_argument("--requests", type=int, default=200, help="requests to send (default 200)")
-    p.add_argument("--concurrency", type=int, default=8, help="concurrent clients (default 8)")
+    p.add_argument("--duration", type=float, default=15.0,
+                   help="seconds of load per gateway (default 15)")
+    p.add_argument("--requests", type=int, default=5000,
+                   help="at most this many requests per gateway (default 5000)")
+    p.add_argument("--concurrency", type=int, default=16,
+                   help="concurrent users (default 16)")
+    p.add_argument("--seed", type=int, default=1, help="workload seed (default 1)")
     p.add_argument("--config-file", help="EndpointPickerConfig for the EPP (default: built-in)")
     p.add_argument("--body-mode", default="FULL_DUPLEX_STREAMED",
                    choices=["FULL_DUPLEX_STREAMED", "BUFFERED"],
                    help="Envoy ext_proc request body mode (default FULL_DUPLEX_STREAMED)")
+    p.add_argument("--sim-args", default="",
+                   help="extra arguments for every `epp sim` process, e.g. \"--max-num-seqs 8\"")
+    p.add_argument("--no-compare", dest="compare", action="store_false",
+                   help="skip the round-robin baseline")
     p.add_argument("--keep-running", action="store_true",
                    help="after the load, keep the stack up until Ctrl-C")
     p.add_argument("--log-level", default="warning",

@@ -1,99 +1,168 @@
 """``epp demo``: the local stack — real Envoy + simulated model servers + the EPP.
 
-Every process listens on 127.0.0.1 on a free port; all are stopped on exit, on Ctrl-C
-and on error. The demo load is bounded by a request count and a deadline.
+Two identical sets of simulated pods (cold caches each) are started: one behind Envoy with
+the EPP (ext_proc), one behind Envoy doing plain round robin. The same workload (shared
+system prompts, multi-turn chat, streamed) runs through the EPP gateway, then through the
+round-robin gateway, and a side-by-side summary is printed. Every process listens on
+127.0.0.1 on a free port and is stopped on exit, on Ctrl-C and on error.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import shlex
 import sys
 import tempfile
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import yaml
 
-from epp.stack.envoy import EnvoyProcess, render_envoy_config
-from epp.stack.load import LoadReport, run_load
+from epp.bench.runner import Report, run
+from epp.bench.workload import Workload, WorkloadSpec
+from epp.stack.envoy import EnvoyProcess, render_envoy_config, without_ext_proc
 from epp.stack.procs import ManagedProcess, free_port, wait_port
 
+MODEL = "sim-model"
 
-def _print_report(report: LoadReport, servers: list[str]) -> None:
-    n = len(report.results)
+
+def _progress(report: Report) -> None:
     ok = len(report.ok)
-    print(f"\n{n} requests in {report.elapsed_s:.1f}s, {ok} OK, {n - ok} errors")
-    share = report.share()
-    print("\nwhere requests went:")
-    for name in servers:
-        c = share.get(name, 0)
-        bar = "#" * round(40 * c / ok) if ok else ""
-        print(f"  {name:<12} {c:>5}  {100 * c / ok if ok else 0:5.1f}%  {bar}")
-    if ok:
-        print(f"\nlatency p50 {1000 * report.latency_quantile(0.5):.1f} ms, "
-              f"p90 {1000 * report.latency_quantile(0.9):.1f} ms")
-    for err, c in report.errors().items():
-        print(f"  error {err}: {c}")
+    err = len(report.results) - ok
+    print(f"  [{report.label}] {report.elapsed_s:5.1f}s  {len(report.results):5d} requests  "
+          f"{ok / report.elapsed_s if report.elapsed_s else 0:6.1f} ok/s  {err} errors",
+          flush=True)
+
+
+def _fmt_ms(x: float) -> str:
+    return "-" if x != x else f"{1000 * x:.0f} ms"
+
+
+def summary(reports: list[Report], pods: dict[str, list[str]]) -> str:
+    """The end-of-demo summary: request share per pod, TTFT, cache hits, errors."""
+    lines = []
+    for rep in reports:
+        ok = len(rep.ok)
+        lines.append(f"\n{rep.label}: {len(rep.results)} requests in {rep.elapsed_s:.1f}s, "
+                     f"{ok} OK, {len(rep.results) - ok} errors")
+        share = rep.share()
+        for i, name in enumerate(pods[rep.label]):
+            c = share.get(name, 0)
+            pct = 100 * c / ok if ok else 0.0
+            lines.append(f"  pod {i} ({name:<10}) {c:5d}  {pct:5.1f}%  {'#' * round(pct / 2.5)}")
+        for err, c in rep.errors().items():
+            lines.append(f"  error {err}: {c}")
+    lines.append("")
+    head = f"{'':26}" + "".join(f"{r.label:>18}" for r in reports)
+    lines.append(head)
+    rows = [
+        ("requests OK", lambda r: f"{len(r.ok)}"),
+        ("throughput", lambda r: f"{r.throughput:.1f} req/s"),
+        ("TTFT p50", lambda r: _fmt_ms(r.quantile("ttft_s", 0.5))),
+        ("TTFT p90", lambda r: _fmt_ms(r.quantile("ttft_s", 0.9))),
+        ("latency p50", lambda r: _fmt_ms(r.quantile("latency_s", 0.5))),
+        ("prefix-cache hit rate", lambda r: f"{100 * r.cache_hit_rate:.1f}%"),
+        ("errors", lambda r: f"{len(r.results) - len(r.ok)}"),
+    ]
+    for name, fn in rows:
+        lines.append(f"{name:26}" + "".join(f"{fn(r):>18}" for r in reports))
+    return "\n".join(lines)
+
+
+async def _start_sims(ports: list[int], extra: list[str], log: Path) -> ManagedProcess:
+    argv = [sys.executable, "-m", "epp.cli", "sim", "--model", MODEL, *extra]
+    for p in ports:
+        argv += ["--port", str(p)]
+    proc = ManagedProcess(argv, log_path=log)
+    await proc.start()
+    return proc
 
 
 async def _demo(args: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="epp-demo-"))
-    sim_ports = [free_port() for _ in range(args.servers)]
+    sim_extra = shlex.split(args.sim_args or "")
+    epp_ports = [free_port() for _ in range(args.servers)]
+    rr_ports = [free_port() for _ in range(args.servers)]
     grpc_port, health_port, metrics_port = free_port(), free_port(), free_port()
-    gw_port, admin_port = free_port(), free_port()
+    gw_epp, gw_rr = free_port(), free_port()
     endpoints = workdir / "endpoints.yaml"
     endpoints.write_text(yaml.safe_dump({"endpoints": [
-        {"address": "127.0.0.1", "port": p, "name": f"sim-{p}"} for p in sim_ports]}))
-
-    sim_argv = [sys.executable, "-m", "epp.cli", "sim"]
-    for p in sim_ports:
-        sim_argv += ["--port", str(p)]
+        {"address": "127.0.0.1", "port": p, "name": f"sim-{p}"} for p in epp_ports]}))
     epp_argv = [sys.executable, "-m", "epp.cli", "serve", "--bind-address", "127.0.0.1",
                 "--grpc-port", str(grpc_port), "--grpc-health-port", str(health_port),
-                "--metrics-port", str(metrics_port), "--endpoints-file", str(endpoints)]
+                "--metrics-port", str(metrics_port), "--endpoints-file", str(endpoints),
+                "--log-level", "warning"]
     if args.config_file:
         epp_argv += ["--config-file", str(Path(args.config_file).resolve())]
-    sims = ManagedProcess(sim_argv, log_path=workdir / "sim.log")
-    epp = ManagedProcess(epp_argv, log_path=workdir / "epp.log")
-    envoy = EnvoyProcess()
     print(f"epp demo: logs in {workdir}")
-    try:
-        await sims.start()
+    async with AsyncExitStack() as stack:
+        sims = await _start_sims(epp_ports, sim_extra, workdir / "sim-epp.log")
+        stack.push_async_callback(sims.stop)
+        epp = ManagedProcess(epp_argv, log_path=workdir / "epp.log")
         await epp.start()
-        for p in sim_ports:
-            await wait_port("127.0.0.1", p, timeout=20)
+        stack.push_async_callback(epp.stop)
+        envoy_epp, envoy_rr = EnvoyProcess(), EnvoyProcess()
+        stack.push_async_callback(envoy_epp.stop)
+        stack.push_async_callback(envoy_rr.stop)
+        rr_sims = None
+        if args.compare:
+            rr_sims = await _start_sims(rr_ports, sim_extra, workdir / "sim-rr.log")
+            stack.push_async_callback(rr_sims.stop)
         try:
+            for p in epp_ports + (rr_ports if args.compare else []):
+                await wait_port("127.0.0.1", p, timeout=20)
             await wait_port("127.0.0.1", grpc_port, timeout=20)
-        except TimeoutError:
-            print(f"the EPP did not start:\n{epp.log_tail()}", file=sys.stderr)
+        except TimeoutError as e:
+            print(f"a process did not start ({e}):\n--- epp ---\n{epp.log_tail()}\n--- sim ---\n"
+                  f"{sims.log_tail()}", file=sys.stderr)
             return 1
-        await envoy.start(render_envoy_config(listen_port=gw_port, epp_port=grpc_port,
-                                              admin_port=admin_port, body_mode=args.body_mode),
-                          workdir)
-        await envoy.wait_ready()
-        url = f"http://127.0.0.1:{gw_port}"
-        print(f"gateway  {url}  (Envoy, ext_proc {args.body_mode})")
-        print(f"epp      ext_proc 127.0.0.1:{grpc_port}, metrics "
-              f"http://127.0.0.1:{metrics_port}/metrics")
-        print(f"servers  {', '.join(f'sim-{p}' for p in sim_ports)}")
-        print(f"\nsending {args.requests} chat requests, concurrency {args.concurrency} …")
-        report = await run_load(url, requests=args.requests, concurrency=args.concurrency)
-        _print_report(report, [f"sim-{p}" for p in sim_ports])
+        await envoy_epp.start(render_envoy_config(listen_port=gw_epp, epp_port=grpc_port,
+                                                  admin_port=free_port(),
+                                                  body_mode=args.body_mode), workdir / "envoy-epp")
+        if args.compare:
+            await envoy_rr.start(without_ext_proc(render_envoy_config(
+                listen_port=gw_rr, epp_port=grpc_port, admin_port=free_port(),
+                pool_endpoints=[f"127.0.0.1:{p}" for p in rr_ports])), workdir / "envoy-rr")
+            await envoy_rr.wait_ready()
+        await envoy_epp.wait_ready()
+        url = f"http://127.0.0.1:{gw_epp}"
+        print(f"gateway  {url}  (Envoy → EPP ext_proc {args.body_mode} → {args.servers} pods)")
+        print(f"epp      metrics http://127.0.0.1:{metrics_port}/metrics")
+        if args.compare:
+            print(f"baseline http://127.0.0.1:{gw_rr}  (Envoy round robin over {args.servers} "
+                  "other pods)")
+        spec = WorkloadSpec(seed=args.seed)
+        print(f"\nworkload: {spec.system_prompts} shared system prompts (~{spec.system_prompt_words}"
+              f" words), {spec.turns_per_conversation}-turn conversations, {args.concurrency} "
+              f"concurrent users, up to {args.duration:g}s or {args.requests} requests per gateway")
+        reports = []
+        pods = {}
+        for label, gw_url, ports in (("EPP", url, epp_ports),
+                                     ("round-robin", f"http://127.0.0.1:{gw_rr}", rr_ports)):
+            if label == "round-robin" and not args.compare:
+                continue
+            print(f"\n{label}:", flush=True)
+            rep = await run(gw_url, Workload(spec, MODEL), label=label,
+                            concurrency=args.concurrency, max_requests=args.requests,
+                            duration_s=args.duration, progress=_progress)
+            reports.append(rep)
+            pods[label] = [f"sim-{p}" for p in ports]
+        print(summary(reports, pods), flush=True)
         if args.keep_running:
-            print(f"\nthe stack keeps running; try:\n  curl {url}/v1/chat/completions "
-                  "-H 'content-type: application/json' -d '{\"model\":\"sim-model\","
-                  "\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}'\nCtrl-C to stop.")
+            print(f"\nThe stack keeps running. Try:\n  curl {url}/v1/chat/completions "
+                  "-H 'content-type: application/json' -d '{\"model\":\"" + MODEL + "\","
+                  "\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}'\nCtrl-C to stop.",
+                  flush=True)
             await asyncio.Event().wait()
-        return 0 if report.ok and len(report.ok) == len(report.results) else 1
-    finally:
-        await envoy.stop()
-        await epp.stop()
-        await sims.stop()
+        ok = all(r.ok and len(r.ok) == len(r.results) for r in reports)
+        return 0 if ok else 1
+    return 1
 
 
 def run_demo(args: argparse.Namespace) -> int:
     try:
         return asyncio.run(_demo(args))
     except KeyboardInterrupt:
-        print("\nstopped")
+        print("\nstopped; everything the demo started has been stopped")
         return 130

@@ -29,6 +29,7 @@ __all__ = [
     "EnvoyProcess",
     "envoy_binary",
     "render_envoy_config",
+    "without_ext_proc",
 ]
 
 BODY_MODE_FULL_DUPLEX: Final = "FULL_DUPLEX_STREAMED"
@@ -242,6 +243,20 @@ def _override_host_cluster(pool_endpoints: Sequence[str]) -> str:
         lines.append("        - endpoint: {address: {socket_address: "
                      f"{{address: '{host}', port_value: {_port('pool endpoint port', int(port))}}}}}}}")
     return _OVERRIDE_HOST_CLUSTER.replace("${lb_endpoints}", "\n".join(lines))
+
+
+def without_ext_proc(config_yaml: str) -> str:
+    """The same bootstrap with the ext_proc filter removed (Envoy routes on its own)."""
+    import yaml
+
+    doc = yaml.safe_load(config_yaml)
+    for listener in doc["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for f in chain["filters"]:
+                hcm = f["typed_config"]
+                hcm["http_filters"] = [h for h in hcm["http_filters"]
+                                       if h["name"] != "envoy.filters.http.ext_proc"]
+    return str(yaml.safe_dump(doc, sort_keys=False))
 
 
 class EnvoyProcess:

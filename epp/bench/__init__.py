@@ -1,0 +1,1 @@
+"""Workloads and load runners shared by `epp demo` and the benchmarks."""

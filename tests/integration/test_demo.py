@@ -1,0 +1,74 @@
+"""`epp demo` end to end: the README's main command, short, with its summary checked."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def ports_in(text: str) -> list[int]:
+    return [int(p) for p in re.findall(r"127\.0\.0\.1:(\d+)", text)]
+
+
+def test_demo_runs_and_summarises() -> None:
+    r = subprocess.run([sys.executable, "-m", "epp.cli", "demo", "--duration", "2",
+                        "--servers", "3", "--concurrency", "4"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    out = r.stdout
+    assert r.returncode == 0, out + r.stderr
+    for needle in ("EPP:", "round-robin:", "TTFT p50", "TTFT p90", "prefix-cache hit rate",
+                   "throughput", "pod 0", "pod 2"):
+        assert needle in out, needle
+    # Every pod of the EPP set got traffic, and the summary counts add up.
+    epp_part = out.split("EPP:")[-1].split("round-robin:")[0]
+    counts = [int(m) for m in re.findall(r"pod \d \(sim-\d+\s*\)\s+(\d+)", epp_part)]
+    total = int(re.search(r"EPP: (\d+) requests", out).group(1))  # type: ignore[union-attr]
+    assert len(counts) == 3 and all(c > 0 for c in counts) and sum(counts) == total
+    # Nothing is left listening.
+    for port in set(ports_in(out)):
+        assert not port_open(port), port
+
+
+async def test_demo_keep_running_stops_everything_on_ctrl_c() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "epp.cli", "demo", "--duration", "1", "--servers", "2",
+        "--concurrency", "2", "--no-compare", "--keep-running",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=ROOT)
+    assert proc.stdout is not None
+    seen = []
+    try:
+        async with asyncio.timeout(90):
+            while True:
+                line = (await proc.stdout.readline()).decode()
+                assert line, "".join(seen)
+                seen.append(line)
+                if "keeps running" in line:
+                    break
+        text = "".join(seen)
+        gateway = int(re.search(r"gateway  http://127\.0\.0\.1:(\d+)", text).group(1))  # type: ignore[union-attr]
+        assert port_open(gateway)
+        proc.send_signal(signal.SIGINT)
+        async with asyncio.timeout(30):
+            rest = (await proc.stdout.read()).decode()
+            code = await proc.wait()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert code == 130, rest
+    assert "stopped" in rest
+    for port in set(ports_in(text)):
+        assert not port_open(port), port

@@ -19,6 +19,7 @@ from epp.config.params import Params
 from epp.config.registry import PluginHandle, Registry, default_registry
 from epp.errors import ConfigError
 from epp.scheduling.interfaces import (
+    EndpointRemoved,
     Filter,
     Picker,
     Plugin,
@@ -36,12 +37,16 @@ kind: EndpointPickerConfig
 plugins:
 - type: queue-scorer
 - type: kv-cache-utilization-scorer
+- type: prefix-cache-scorer
+- type: approx-prefix-cache-producer
+  parameters: {blockSizeTokens: 16, maxPrefixBlocksToMatch: 256, lruCapacityPerServer: 31250}
 - type: max-score-picker
 schedulingProfiles:
 - name: default
   plugins:
   - {pluginRef: queue-scorer, weight: 2}
   - {pluginRef: kv-cache-utilization-scorer, weight: 2}
+  - {pluginRef: prefix-cache-scorer, weight: 3}
   - {pluginRef: max-score-picker}
 """
 
@@ -95,6 +100,7 @@ class BuiltConfig:
     scheduler: Scheduler
     pre_request: list[PreRequest] = field(default_factory=list)
     response_complete: list[ResponseComplete] = field(default_factory=list)
+    endpoint_removed: list[EndpointRemoved] = field(default_factory=list)
 
 
 def _err(source: str, path: str, msg: str) -> ConfigError:
@@ -253,6 +259,17 @@ def build(
                        "type_name attributes)")
         handle.plugins[spec.name] = plugin
 
+    # Second pass: plugins that depend on others (e.g. a scorer on its data producer) bind
+    # now that all are built; a bind may add the helper plugin it needs.
+    for spec in config.plugins:
+        plugin = handle.plugins[spec.name]
+        bind = getattr(plugin, "bind", None)
+        if bind is not None:
+            try:
+                bind(handle)
+            except ConfigError as e:
+                raise _err(src, spec.path, str(e)) from e
+
     handlers = [p for p in handle.plugins.values() if isinstance(p, ProfileHandler)]
     if len(handlers) > 1:
         raise _err(src, "plugins", "more than one profile handler declared: "
@@ -321,6 +338,7 @@ def build(
         scheduler=Scheduler(handler, profiles, timer),
         pre_request=[p for p in handle.plugins.values() if isinstance(p, PreRequest)],
         response_complete=[p for p in handle.plugins.values() if isinstance(p, ResponseComplete)],
+        endpoint_removed=[p for p in handle.plugins.values() if isinstance(p, EndpointRemoved)],
     )
     if config.saturation_detector is not None:
         raise _err(src, "saturationDetector", f"{config.saturation_detector!r} is not a "

@@ -79,7 +79,7 @@ def _import_factory(ref: str, path: str) -> PluginFactory:
 
 def default_registry() -> Registry:
     """The built-in plugins, registered explicitly in one place."""
-    from epp.scheduling.plugins import handlers, pickers, scorers
+    from epp.scheduling.plugins import handlers, pickers, prefix, scorers
 
     reg = Registry()
     for cls in (
@@ -88,6 +88,8 @@ def default_registry() -> Registry:
         pickers.RandomPicker,
         scorers.QueueScorer,
         scorers.KVCacheUtilizationScorer,
+        prefix.PrefixCacheScorer,
+        prefix.ApproxPrefixCacheProducer,
     ):
         reg.register_class(cls)
     return reg

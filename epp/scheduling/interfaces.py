@@ -88,5 +88,12 @@ class ResponseComplete(Plugin, Protocol):
         ...
 
 
+@runtime_checkable
+class EndpointRemoved(Plugin, Protocol):
+    def endpoint_removed(self, key: str) -> None:
+        """The endpoint ``key`` left the pool: drop any state kept for it."""
+        ...
+
+
 class PluginTimer(Protocol):
     def __call__(self, extension_point: str, plugin: Plugin, seconds: float) -> None: ...

@@ -119,6 +119,9 @@ class LLMRequest:
     objective: str | None = None
     fairness_id: str | None = None
     session_token: str | None = None
+    # Per-request data plugins compute once and share (e.g. prompt block hashes), keyed
+    # by plugin name.
+    plugin_state: dict[str, Any] = field(default_factory=dict)
 
 
 class CycleState(dict[str, Any]):

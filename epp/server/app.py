@@ -77,6 +77,8 @@ class EppServer:
             self._static_file = StaticFileSource(Path(o.endpoints_file or ""), self.store,
                                                  o.endpoints_poll_interval_s)
             self._static_file.load_initial()
+        for plugin in self.built.endpoint_removed:
+            self.store.on_removed(lambda ep, p=plugin: p.endpoint_removed(ep.key))
         self.director = Director(self.store, self.built.scheduler, self.metrics,
                                  self.built.pre_request, self.built.response_complete)
 

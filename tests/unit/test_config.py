@@ -30,8 +30,10 @@ REPO = Path(__file__).resolve().parents[2]
 SRC = "under-test.yaml"
 FIXTURE = "tests.unit.plugin_fixture"
 BUILTIN_TYPES = [
+    "approx-prefix-cache-producer",
     "kv-cache-utilization-scorer",
     "max-score-picker",
+    "prefix-cache-scorer",
     "queue-scorer",
     "random-picker",
     "single-profile-handler",
@@ -80,11 +82,13 @@ def test_default_config_builds() -> None:
     assert scorer_table(built) == [
         ("queue-scorer", "queue-scorer", 2.0),
         ("kv-cache-utilization-scorer", "kv-cache-utilization-scorer", 2.0),
+        ("prefix-cache-scorer", "prefix-cache-scorer", 3.0),
     ]
     assert isinstance(profile.picker, MaxScorePicker)
     assert profile.picker.name == "max-score-picker"
     assert profile.picker.max_num_of_endpoints == 1
     assert set(built.plugins) == {"queue-scorer", "kv-cache-utilization-scorer",
+                                  "prefix-cache-scorer", "approx-prefix-cache-producer",
                                   "max-score-picker", "single-profile-handler"}
 
 
@@ -266,7 +270,8 @@ def test_empty_document_builds_the_default_config() -> None:
     built = build(parse_config("", SRC))
     assert list(built.scheduler.profiles) == ["default"]
     assert [(s.type_name, w) for s, w in built.scheduler.profiles["default"].scorers] == [
-        ("queue-scorer", 2.0), ("kv-cache-utilization-scorer", 2.0)]
+        ("queue-scorer", 2.0), ("kv-cache-utilization-scorer", 2.0),
+        ("prefix-cache-scorer", 3.0)]
     assert isinstance(built.scheduler.profiles["default"].picker, MaxScorePicker)
 
 

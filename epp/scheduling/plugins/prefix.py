@@ -1,0 +1,149 @@
+"""Prefix-cache affinity: ``approx-prefix-cache-producer`` and ``prefix-cache-scorer``.
+
+The producer owns the :class:`PrefixIndex`. For each request it hashes the prompt once
+(cached on the request) and matches it against the candidates; the scorer turns the match
+into matched / total blocks. After the Director's decision the producer records the
+blocks for the endpoint the request actually goes to (the primary; fallbacks not taken
+are not recorded), and it forgets endpoints that leave the pool.
+
+A config may declare the producer explicitly (its parameters tune the index) or only the
+scorer: the scorer then creates its own producer from the same parameters (GIE's
+``prefix-cache-scorer`` takes them directly; ``hashBlockSize`` is GIE's older name for the
+block size in characters).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from epp.config.params import Params
+from epp.config.registry import PluginHandle
+from epp.errors import ConfigError
+from epp.scheduling.prefix.indexer import PrefixIndex, prompt_block_hashes
+from epp.scheduling.types import CycleState, Endpoint, LLMRequest, SchedulingResult
+
+CHARS_PER_TOKEN = 4
+_STATE_KEY = "prefix-cache"
+
+
+class ApproxPrefixCacheProducer:
+    type_name = "approx-prefix-cache-producer"
+
+    def __init__(self, name: str, block_size_tokens: int = 16, max_blocks: int = 256,
+                 lru_capacity_per_server: int = 31_250, auto_tune: bool = True,
+                 block_chars: int | None = None) -> None:
+        self.name = name
+        self.block_size_tokens = block_size_tokens
+        self.block_chars = block_chars or block_size_tokens * CHARS_PER_TOKEN
+        self.max_blocks = max_blocks
+        self.auto_tune = auto_tune
+        self.index = PrefixIndex(lru_capacity_per_server)
+        self._tuned: dict[str, tuple[int, int]] = {}
+
+    @staticmethod
+    def read_params(params: Params) -> dict[str, object]:
+        block_chars = params.int("hashBlockSize", 0, minimum=1) or None
+        return dict(
+            block_size_tokens=params.int("blockSizeTokens", 16, minimum=1),
+            max_blocks=params.int("maxPrefixBlocksToMatch", 256, minimum=1),
+            lru_capacity_per_server=params.int("lruCapacityPerServer", 31_250, minimum=1),
+            auto_tune=params.bool("autoTune", True),
+            block_chars=block_chars,
+        )
+
+    @classmethod
+    def from_params(cls, name: str, params: Params,
+                    handle: PluginHandle) -> "ApproxPrefixCacheProducer":
+        kw = cls.read_params(params)
+        params.done()
+        return cls(name, **kw)  # type: ignore[arg-type]
+
+    # --- per request ---
+
+    def hashes(self, request: LLMRequest) -> list[int]:
+        """The request's block hashes, computed once per request."""
+        cached = request.plugin_state.get(self.name)
+        if cached is None:
+            cached = prompt_block_hashes(request.prompt, request.target_model,
+                                         request.cache_salt, self.block_chars, self.max_blocks)
+            request.plugin_state[self.name] = cached
+        return cached  # type: ignore[no-any-return]
+
+    def _tune(self, endpoints: Sequence[Endpoint]) -> None:
+        """autoTune: capacity from the pod's cache_config_info (blocks × block size)."""
+        for e in endpoints:
+            m = e.metrics
+            if m.num_blocks and m.block_size:
+                sig = (m.num_blocks, m.block_size)
+                if self._tuned.get(e.key) != sig:
+                    self._tuned[e.key] = sig
+                    self.index.set_capacity(
+                        e.key, m.num_blocks * m.block_size // self.block_size_tokens)
+
+    def match(self, state: CycleState, request: LLMRequest,
+              endpoints: Sequence[Endpoint]) -> tuple[int, dict[str, int]]:
+        """(total blocks, matched blocks per endpoint key), cached in the cycle state."""
+        key = (_STATE_KEY, self.name)
+        cached = state.get(key)  # type: ignore[call-overload]
+        if cached is not None and cached[0] is endpoints:
+            return cached[1], cached[2]  # type: ignore[no-any-return]
+        if self.auto_tune:
+            self._tune(endpoints)
+        hashes = self.hashes(request)
+        matched = self.index.match(hashes, (e.key for e in endpoints)) if hashes else {}
+        state[key] = (endpoints, len(hashes), matched)  # type: ignore[index]
+        return len(hashes), matched
+
+    def pre_request(self, request: LLMRequest, result: SchedulingResult) -> None:
+        hashes = self.hashes(request)
+        if hashes:
+            self.index.add(result.primary.endpoints[0].key, hashes)
+
+    def endpoint_removed(self, key: str) -> None:
+        self.index.remove_endpoint(key)
+        self._tuned.pop(key, None)
+
+
+class PrefixCacheScorer:
+    """matched / total prompt blocks per endpoint (0 for prompts shorter than a block)."""
+
+    type_name = "prefix-cache-scorer"
+
+    def __init__(self, name: str, own_params: dict[str, object] | None = None) -> None:
+        self.name = name
+        self._own_params = own_params
+        self.producer: ApproxPrefixCacheProducer | None = None
+
+    @classmethod
+    def from_params(cls, name: str, params: Params, handle: PluginHandle) -> "PrefixCacheScorer":
+        given = any(params.raw(k) is not None for k in (
+            "hashBlockSize", "blockSizeTokens", "maxPrefixBlocksToMatch",
+            "lruCapacityPerServer", "autoTune"))
+        kw = ApproxPrefixCacheProducer.read_params(params)
+        params.done()
+        return cls(name, kw if given else None)
+
+    def bind(self, handle: PluginHandle) -> None:
+        """After every plugin is built: find the producer, or create one."""
+        producers = [p for p in handle.plugins.values()
+                     if isinstance(p, ApproxPrefixCacheProducer)]
+        if len(producers) > 1:
+            raise ConfigError(f"{self.name}: more than one approx-prefix-cache-producer; "
+                              "keep one")
+        if producers:
+            if self._own_params is not None:
+                raise ConfigError(f"{self.name}: parameters are set on both prefix-cache-scorer "
+                                  "and approx-prefix-cache-producer; set them on the producer")
+            self.producer = producers[0]
+            return
+        self.producer = ApproxPrefixCacheProducer(f"{self.name}-producer",
+                                                  **(self._own_params or {}))  # type: ignore[arg-type]
+        handle.plugins[self.producer.name] = self.producer
+
+    def score(self, state: CycleState, request: LLMRequest,
+              endpoints: Sequence[Endpoint]) -> Sequence[float]:
+        assert self.producer is not None, "bind() not called"
+        total, matched = self.producer.match(state, request, endpoints)
+        if not total:
+            return [0.0] * len(endpoints)
+        return [matched.get(e.key, 0) / total for e in endpoints]

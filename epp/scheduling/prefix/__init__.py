@@ -1,0 +1,1 @@
+"""Approximate prefix-cache index (GIE's approx-prefix-cache design)."""

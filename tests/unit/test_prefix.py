@@ -1,0 +1,185 @@
+"""Approximate prefix cache: hashing, the bounded index, producer and scorer plugins."""
+
+from __future__ import annotations
+
+import pytest
+
+from epp.config.loader import load_and_build, parse_config, build
+from epp.errors import ConfigError
+from epp.scheduling.plugins.prefix import ApproxPrefixCacheProducer, PrefixCacheScorer
+from epp.scheduling.prefix.indexer import PrefixIndex, prompt_block_hashes
+from epp.scheduling.types import (
+    ApiType,
+    CycleState,
+    Endpoint,
+    LLMRequest,
+    Metrics,
+    ProfileRunResult,
+    SchedulingResult,
+)
+
+
+def req(prompt: str, model: str = "m", salt: str | None = None) -> LLMRequest:
+    return LLMRequest("r", model, model, ApiType.COMPLETIONS, prompt, {}, cache_salt=salt)
+
+
+def eps(n: int) -> list[Endpoint]:
+    return [Endpoint(f"p{i}", f"10.0.0.{i}", 8000) for i in range(n)]
+
+
+def went_to(producer: ApproxPrefixCacheProducer, r: LLMRequest, e: Endpoint) -> None:
+    producer.pre_request(r, SchedulingResult({"default": ProfileRunResult((e,))}, "default"))
+
+
+def test_hashes_are_chained_full_blocks_only() -> None:
+    p = "a" * 64 * 3 + "b" * 10
+    h = prompt_block_hashes(p, "m", None, 64, 256)
+    assert len(h) == 3  # the 10-byte tail is not a full block
+    # Chained: same block content at a different position hashes differently.
+    assert len(set(h)) == 3
+    # A shared prefix gives the same leading hashes; a different second block diverges.
+    h2 = prompt_block_hashes("a" * 64 + "c" * 128, "m", None, 64, 256)
+    assert h2[0] == h[0] and h2[1] != h[1]
+
+
+def test_hashes_seeded_by_model_and_salt_and_capped() -> None:
+    p = "x" * 64 * 10
+    base = prompt_block_hashes(p, "m", None, 64, 256)
+    assert prompt_block_hashes(p, "other", None, 64, 256)[0] != base[0]
+    assert prompt_block_hashes(p, "m", "salt", 64, 256)[0] != base[0]
+    assert prompt_block_hashes(p, "m", None, 64, 4) == base[:4]
+    assert prompt_block_hashes("short", "m", None, 64, 256) == []
+
+
+def test_index_longest_leading_run() -> None:
+    idx = PrefixIndex(100)
+    h = list(range(1, 11))
+    idx.add("a", h[:6])
+    idx.add("b", h[:2])
+    idx.add("c", [h[0], h[5]])  # a gap: only the leading run counts
+    assert idx.match(h, ["a", "b", "c", "d"]) == {"a": 6, "b": 2, "c": 1, "d": 0}
+    idx.add("a", h)
+    assert idx.match(h, ["a"]) == {"a": 10}
+
+
+def test_index_is_bounded_per_endpoint_lru() -> None:
+    idx = PrefixIndex(5)
+    idx.add("a", [1, 2, 3, 4, 5])
+    idx.add("a", [1])          # 1 is now most recent
+    idx.add("a", [6, 7])       # evicts 2 and 3
+    assert idx.size() == 5
+    assert idx.match([1], ["a"]) == {"a": 1}
+    assert idx.match([2], ["a"]) == {"a": 0}
+    for i in range(1000):
+        idx.add("b", [1000 + i])
+    assert idx.size() == 10 and idx.capacity("b") == 5
+
+
+def test_index_forgets_removed_endpoints() -> None:
+    idx = PrefixIndex(10)
+    idx.add("a", [1, 2])
+    idx.add("b", [1, 2])
+    idx.remove_endpoint("a")
+    assert idx.match([1, 2], ["a", "b"]) == {"a": 0, "b": 2}
+    assert idx.size() == 2 and idx.endpoints() == ["b"]
+
+
+def test_set_capacity_shrinks_at_once() -> None:
+    idx = PrefixIndex(10)
+    idx.add("a", list(range(10)))
+    idx.set_capacity("a", 3)
+    assert idx.size() == 3 and idx.match([7, 8, 9], ["a"]) == {"a": 3}  # most recent kept
+    assert idx.match([0], ["a"]) == {"a": 0}
+
+
+def test_scorer_scores_matched_over_total_and_index_follows_decisions() -> None:
+    prod = ApproxPrefixCacheProducer("prod", block_size_tokens=4)  # 16-char blocks
+    scorer = PrefixCacheScorer("s")
+    scorer.producer = prod
+    e = eps(3)
+    system = "You are helpful." * 4  # 4 blocks
+    r1 = req(system + "question one, please?")  # 16*4 + 21 chars -> 5 blocks
+    assert scorer.score(CycleState(), r1, e) == [0.0, 0.0, 0.0]
+    went_to(prod, r1, e[1])
+    r2 = req(system + "question two, please?")
+    scores = scorer.score(CycleState(), r2, e)
+    assert scores[0] == 0 and scores[2] == 0 and scores[1] == pytest.approx(4 / 5)
+    assert scorer.score(CycleState(), req(r1.prompt), e)[1] == 1.0
+    prod.endpoint_removed(e[1].key)
+    assert scorer.score(CycleState(), r2, e) == [0.0, 0.0, 0.0]
+
+
+def test_hashes_computed_once_per_request() -> None:
+    prod = ApproxPrefixCacheProducer("prod")
+    r = req("z" * 1000)
+    first = prod.hashes(r)
+    assert prod.hashes(r) is first
+
+
+def test_auto_tune_sets_capacity_from_cache_config_info() -> None:
+    prod = ApproxPrefixCacheProducer("prod", block_size_tokens=16)
+    e = Endpoint("p", "10.0.0.1", 8000, metrics=Metrics(block_size=16, num_blocks=100))
+    prod.match(CycleState(), req("q" * 64 * 3), [e])
+    assert prod.index.capacity(e.key) == 100
+
+
+def test_chat_history_changes_affinity_only_after_shared_part() -> None:
+    # Every message counts: two chats sharing a long first message but differing later
+    # match for the shared blocks only.
+    prod = ApproxPrefixCacheProducer("prod", block_size_tokens=4)
+    scorer = PrefixCacheScorer("s")
+    scorer.producer = prod
+    e = eps(2)
+    shared = "<|system|>\n" + "be brief. " * 20 + "\n"
+    a = req(shared + "<|user|>\nfirst question about billing\n")
+    went_to(prod, a, e[0])
+    b = req(shared + "<|user|>\nsecond question about storage\n")
+    s = scorer.score(CycleState(), b, e)
+    total = len(prod.hashes(b))
+    assert 0 < s[0] < 1 and s[1] == 0
+    assert s[0] == pytest.approx((len(shared.encode()) // 16) / total)
+
+
+def test_config_scorer_alone_creates_its_producer_from_gie_parameters() -> None:
+    built = build(parse_config("""
+plugins:
+- type: prefix-cache-scorer
+  parameters: {hashBlockSize: 32, maxPrefixBlocksToMatch: 8, lruCapacityPerServer: 50}
+- type: max-score-picker
+""", "t.yaml"))
+    scorer = built.plugins["prefix-cache-scorer"]
+    assert isinstance(scorer, PrefixCacheScorer) and scorer.producer is not None
+    assert scorer.producer.block_chars == 32 and scorer.producer.max_blocks == 8
+    assert scorer.producer.index.default_capacity == 50
+    assert scorer.producer in built.pre_request and scorer.producer in built.endpoint_removed
+
+
+def test_config_declared_producer_is_shared() -> None:
+    built = load_and_build()
+    scorer = built.plugins["prefix-cache-scorer"]
+    assert isinstance(scorer, PrefixCacheScorer)
+    assert scorer.producer is built.plugins["approx-prefix-cache-producer"]
+
+
+def test_config_parameters_on_both_is_an_error() -> None:
+    with pytest.raises(ConfigError, match=r"t.yaml: plugins\[0\].*set them on the producer"):
+        build(parse_config("""
+plugins:
+- type: prefix-cache-scorer
+  parameters: {blockSizeTokens: 8}
+- type: approx-prefix-cache-producer
+""", "t.yaml"))
+
+
+def test_default_config_routes_repeat_prompts_to_the_same_endpoint() -> None:
+    built = load_and_build()
+    e = eps(4)
+    prompt = "tell me about the history of the printing press " * 20
+    chosen = set()
+    for _ in range(10):
+        r = req(prompt)
+        result = built.scheduler.schedule(r, e)
+        for p in built.pre_request:
+            p.pre_request(r, result)
+        chosen.add(result.primary.endpoints[0].key)
+    assert len(chosen) == 1

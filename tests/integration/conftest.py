@@ -58,7 +58,7 @@ class Epp:
     grpc_port: int = field(default_factory=free_port)
     health_port: int = field(default_factory=free_port)
     metrics_port: int = field(default_factory=free_port)
-    config: str = CONFIG
+    config: str | None = CONFIG  # None: the built-in default config
     proc: ManagedProcess | None = None
     starts: int = 0
 
@@ -75,7 +75,8 @@ class Epp:
             [sys.executable, "-m", "epp.cli", "serve", "--bind-address", "127.0.0.1",
              "--grpc-port", str(self.grpc_port), "--grpc-health-port", str(self.health_port),
              "--metrics-port", str(self.metrics_port), "--endpoints-file",
-             str(self.endpoints_file), "--config-text", self.config,
+             str(self.endpoints_file),
+             *(["--config-text", self.config] if self.config is not None else []),
              "--max-request-body-bytes", str(MAX_BODY), "--log-level", "info"],
             log_path=self.workdir / f"epp-{self.starts}.log", env=_env(), cwd=ROOT)
         await self.proc.start()
@@ -133,7 +134,7 @@ async def session() -> AsyncIterator[aiohttp.ClientSession]:
 
 
 async def start_stack(mode: str, upstreams: Upstreams, workdir: Path,
-                      endpoint_ports: list[int] | None = None, config: str = CONFIG,
+                      endpoint_ports: list[int] | None = None, config: str | None = CONFIG,
                       override_host: bool = False) -> Stack:
     """Envoy + EPP over ``endpoint_ports`` (default: the first three upstreams).
 

@@ -298,3 +298,25 @@ async def test_subset_hint_from_envoy_metadata_narrows_candidates(
         assert status == 503 and "subset" in orjson.loads(resp)["error"]["message"]
     finally:
         await stop_stack(s)
+
+
+async def test_default_config_keeps_a_prompt_on_the_pod_that_cached_it(
+        upstreams: Upstreams, session: aiohttp.ClientSession, tmp_path: Path) -> None:
+    """Built-in config (queue 2, kv 2, prefix 3) through real Envoy: prefix affinity."""
+    s = await start_stack("FULL_DUPLEX_STREAMED", upstreams, tmp_path, config=None)
+    try:
+        spread = Counter()
+        for i in range(8):
+            prompt = f"conversation {i}: " + "the quick brown fox jumps over the lazy dog " * 30
+            servers = set()
+            for _ in range(5):
+                status, h, _ = await post(session, s, completion(prompt))
+                assert status == 200
+                servers.add(h["x-sim-server"])
+            assert len(servers) == 1, servers  # every repeat on the same pod
+            spread[servers.pop()] += 1
+        # Distinct prompts are not all piled onto one pod (ties break randomly; all 8 on
+        # one of 3 pods has probability 3 ** -7).
+        assert len(spread) >= 2
+    finally:
+        await stop_stack(s)

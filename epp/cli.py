@@ -36,14 +36,118 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     cfg = p.add_mutually_exclusive_group()
     cfg.add_argument("--config-file", help="EndpointPickerConfig YAML file")
     cfg.add_argument("--config-text", help="EndpointPickerConfig YAML given inline")
-    src = p.add_mutually_exclusive_group(required=True)
+    src = p.add_mutually_exclusive_group()
     src.add_argument("--endpoints", help="static endpoints: ip:port[,ip:port…]")
     src.add_argument("--endpoints-file",
                      help="YAML file of endpoints (and node labels); re-read when it changes")
+    _add_kubernetes_flags(p)
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY,
                    help=f"reject larger request bodies with 413 (default {DEFAULT_MAX_BODY})")
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"], help="log level (default info)")
+    _add_metrics_flags(p)
+
+
+def _add_kubernetes_flags(p: argparse.ArgumentParser) -> None:
+    """Kubernetes discovery and leader election; names follow GIE's EPP flags."""
+    from epp import keys
+
+    g = p.add_argument_group("Kubernetes (see docs/kubernetes.md)")
+    g.add_argument("--pool-name", help="InferencePool to serve: watch it and the Pods it "
+                   "selects (in standalone mode: only names the leader-election Lease)")
+    g.add_argument("--pool-namespace", help="namespace of the pool and its Pods (default: "
+                   "$NAMESPACE, else 'default')")
+    g.add_argument("--pool-group", default=keys.K8S_POOL_GROUP,
+                   choices=[keys.K8S_POOL_GROUP, keys.K8S_POOL_GROUP_ALPHA],
+                   help=f"API group of the InferencePool (default {keys.K8S_POOL_GROUP}: v1)")
+    g.add_argument("--endpoint-selector", metavar="K=V[,K=V…]",
+                   help="standalone mode, no InferencePool: select model-server Pods by "
+                   "these labels (needs --endpoint-target-ports)")
+    g.add_argument("--endpoint-target-ports", metavar="PORT[,PORT…]",
+                   help="standalone mode: the Pods' serving ports, one endpoint per port")
+    g.add_argument("--kubeconfig", metavar="FILE", help="kubeconfig file (default: the "
+                   "in-cluster service account, else $KUBECONFIG, else ~/.kube/config)")
+    g.add_argument("--no-node-labels", dest="watch_nodes", action="store_false",
+                   help="do not watch Nodes for topology labels (no cluster-scoped RBAC "
+                   "needed)")
+    g.add_argument("--secure-serving", type=_go_bool, nargs="?", const=True, default=False,
+                   metavar="BOOL", help="serve ext_proc over TLS, as GIE's EPP does and "
+                   "gateways built for it expect (default false here; the deploy/ manifests "
+                   "set it true)")
+    g.add_argument("--cert-path", metavar="DIR", help="with --secure-serving: directory "
+                   "holding tls.crt and tls.key (default: a self-signed certificate)")
+    g.add_argument("--ha-enable-leader-election", type=_go_bool, nargs="?", const=True,
+                   default=False, metavar="BOOL",
+                   help="active-passive replicas: only the holder of the pool's Lease "
+                   "reports ready (default false)")
+    g.add_argument("--ha-lease-duration", type=_duration, default=15.0, metavar="DUR",
+                   help="leader election: how long a Lease lasts unrenewed (default 15s)")
+    g.add_argument("--ha-renew-deadline", type=_duration, default=10.0, metavar="DUR",
+                   help="leader election: the leader steps down after failing to renew "
+                   "for this long (default 10s)")
+    g.add_argument("--ha-retry-period", type=_duration, default=2.0, metavar="DUR",
+                   help="leader election: how often to try to acquire or renew (default 2s)")
+
+
+def _duration(value: str) -> float:
+    """argparse type: a Go-style duration ('50ms', '2s') or a number of seconds."""
+    from epp.config.params import parse_duration
+
+    try:
+        text: object = float(value)
+    except ValueError:
+        text = value
+    try:
+        return parse_duration(text, "duration")
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("duration: ")) from None
+
+
+def _go_bool(value: str) -> bool:
+    v = value.strip().lower()
+    if v in ("1", "t", "true", "yes"):
+        return True
+    if v in ("0", "f", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+def _add_metrics_flags(p: argparse.ArgumentParser) -> None:
+    """Model-server metrics scraping; names and syntax follow GIE's EPP flags."""
+    g = p.add_argument_group("model-server metrics (see docs/configuration.md)")
+    g.add_argument("--refresh-metrics-interval", type=_duration, default=0.05, metavar="DUR",
+                   help="scrape each endpoint's metrics this often (default 50ms)")
+    g.add_argument("--metrics-staleness-threshold", type=_duration, default=2.0, metavar="DUR",
+                   help="mark an endpoint's metrics stale when its last successful scrape "
+                   "is older than this (default 2s)")
+    g.add_argument("--metrics-scrape-timeout", type=_duration, default=1.0, metavar="DUR",
+                   help="per-poll timeout (default 1s)")
+    g.add_argument("--metrics-scrape-concurrency", type=int, default=64, metavar="N",
+                   help="at most N scrapes in flight at once (default 64)")
+    g.add_argument("--metrics-max-loop-lag", type=_duration, default=0.002, metavar="DUR",
+                   help="stretch the scrape interval while the event loop's mean lag is "
+                   "above this (default 2ms; 0 disables)")
+    g.add_argument("--model-server-metrics-scheme", default="http", choices=["http", "https"],
+                   help="scheme for scraping (default http)")
+    g.add_argument("--model-server-metrics-path", default="/metrics",
+                   help="path for scraping (default /metrics)")
+    g.add_argument("--model-server-metrics-port", type=int, default=0, metavar="PORT",
+                   help="port for scraping (default 0: the endpoint's own port)")
+    g.add_argument("--model-server-metrics-https-insecure-skip-verify", type=_go_bool,
+                   nargs="?", const=True, default=True, metavar="BOOL",
+                   help="with https, do not verify the server certificate (default true)")
+    g.add_argument("--no-metrics-scraping", dest="scrape_metrics", action="store_false",
+                   help="do not scrape model servers (scorers then see no load signals)")
+    for flag, what in (
+        ("--total-queued-requests-metric", "waiting requests"),
+        ("--total-running-requests-metric", "running requests"),
+        ("--kv-cache-usage-percentage-metric", "KV-cache usage (0..1)"),
+        ("--lora-info-metric", "LoRA adapters info"),
+        ("--cache-info-metric", "cache config info (block size / block count labels)"),
+    ):
+        g.add_argument(flag, default=None, metavar="SPEC",
+                       help=f"metric for {what} of the default engine (vllm), as "
+                       "name or name{label=value,…}; '' disables it (default: built-in)")
 
 
 def _add_check_config(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -100,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from epp.datalayer.engines import MappingOverrides
+    from epp.datalayer.scraper import ScrapeOptions
     from epp.server.app import ServeOptions, StartupError, serve_forever
 
     _setup_logging(args.log_level)
@@ -109,6 +215,33 @@ def _serve(args: argparse.Namespace) -> int:
         config_file=args.config_file, config_text=args.config_text,
         endpoints=args.endpoints, endpoints_file=args.endpoints_file,
         max_request_body_bytes=args.max_request_body_bytes,
+        pool_name=args.pool_name, pool_namespace=args.pool_namespace,
+        pool_group=args.pool_group, endpoint_selector=args.endpoint_selector,
+        endpoint_target_ports=args.endpoint_target_ports, kubeconfig=args.kubeconfig,
+        watch_nodes=args.watch_nodes, secure_serving=args.secure_serving,
+        cert_path=args.cert_path,
+        ha_enable_leader_election=args.ha_enable_leader_election,
+        ha_lease_duration_s=args.ha_lease_duration, ha_renew_deadline_s=args.ha_renew_deadline,
+        ha_retry_period_s=args.ha_retry_period,
+        scrape_metrics=args.scrape_metrics,
+        scrape=ScrapeOptions(
+            interval_s=args.refresh_metrics_interval,
+            timeout_s=args.metrics_scrape_timeout,
+            staleness_threshold_s=args.metrics_staleness_threshold,
+            scheme=args.model_server_metrics_scheme,
+            path=args.model_server_metrics_path,
+            port=args.model_server_metrics_port or None,
+            insecure_skip_verify=args.model_server_metrics_https_insecure_skip_verify,
+            max_concurrency=args.metrics_scrape_concurrency,
+            max_loop_lag_s=args.metrics_max_loop_lag or None,
+        ),
+        metric_overrides=MappingOverrides(
+            total_queued_requests=args.total_queued_requests_metric,
+            total_running_requests=args.total_running_requests_metric,
+            kv_cache_usage_percentage=args.kv_cache_usage_percentage_metric,
+            lora_info=args.lora_info_metric,
+            cache_info=args.cache_info_metric,
+        ),
     )
 
     async def main() -> None:
@@ -150,8 +283,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from epp.sim.server import main as sim_main
 
         return sim_main(argv[1:]) or 0
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.command == "serve":
+        if not (args.endpoints or args.endpoints_file or args.pool_name
+                or args.endpoint_selector):
+            parser.error("serve: give an endpoint source: --endpoints, --endpoints-file, "
+                         "--pool-name or --endpoint-selector")
         return _serve(args)
     if args.command == "check-config":
         return _check_config(args)

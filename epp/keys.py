@@ -41,6 +41,25 @@ HEALTH_EXT_PROC: Final = "envoy.service.ext_proc.v3.ExternalProcessor"
 # --- Endpoint labels ---
 LABEL_ROLE: Final = "llm-d.ai/role"
 LABEL_ROLE_DYNAMO: Final = "nvidia.com/dynamo-sub-component-type"
+ROLE_PREFILL: Final = "prefill"
+ROLE_DECODE: Final = "decode"
+ROLES_DECODE_CAPABLE: Final = frozenset({"decode", "prefill-decode", "both", "decode-prefill"})
+
+# --- NVIDIA Grove pod labels (design.md §7) ---
+LABEL_GROVE_PODCLIQUE: Final = "grove.io/podclique"
+LABEL_GROVE_PCS_REPLICA: Final = "grove.io/podcliqueset-replica-index"
+LABEL_GROVE_PODGANG: Final = "grove.io/podgang"
+LABEL_GROVE_BASE_PODGANG: Final = "grove.io/base-podgang"
+LABEL_GROVE_PCSG: Final = "grove.io/podcliquescalinggroup"
+LABEL_GROVE_PCSG_REPLICA: Final = "grove.io/podcliquescalinggroup-replica-index"
+LABEL_GROVE_POD_INDEX: Final = "grove.io/podclique-pod-index"
+LABEL_PART_OF: Final = "app.kubernetes.io/part-of"
+
+# --- Node topology labels ---
+LABEL_HOSTNAME: Final = "kubernetes.io/hostname"
+LABEL_RACK: Final = "topology.kubernetes.io/rack"
+LABEL_BLOCK: Final = "topology.kubernetes.io/block"
+LABEL_ZONE: Final = "topology.kubernetes.io/zone"
 LABEL_ENGINE: Final = "llm-d.ai/engine-type"
 LABEL_ENGINE_GIE: Final = "inference.networking.k8s.io/engine-type"
 
@@ -95,3 +114,15 @@ TRITON_KV_BLOCK_TYPE_LABEL: Final = "kv_cache_block_type"
 TRITON_KV_FRACTION: Final = "fraction"
 TRITON_KV_TOKENS_PER_BLOCK: Final = "tokens_per"
 TRITON_KV_MAX_BLOCKS: Final = "max"
+
+# --- Kubernetes discovery and leader election (design.md §7) ---
+K8S_POOL_GROUP: Final = "inference.networking.k8s.io"  # InferencePool v1
+K8S_POOL_GROUP_ALPHA: Final = "inference.networking.x-k8s.io"  # InferencePool v1alpha2
+K8S_POOL_VERSION: Final = "v1"
+K8S_POOL_VERSION_ALPHA: Final = "v1alpha2"
+K8S_POOL_PLURAL: Final = "inferencepools"
+# Pod annotation: comma-separated target ports that take traffic (GIE's data-parallel ranks).
+ANNOTATION_ACTIVE_PORTS: Final = "inference.networking.k8s.io/active-ports"
+# Lease name: epp-<namespace>-<pool>.<suffix>, as GIE's EPP names it.
+K8S_LEASE_SUFFIX: Final = "gateway-api-inference-extension.sigs.k8s.io"
+ENV_NAMESPACE: Final = "NAMESPACE"  # pool namespace when --pool-namespace is not given

@@ -26,7 +26,10 @@ from epp.scheduling.interfaces import (
     PluginTimer,
     PreRequest,
     ProfileHandler,
+    RequestHeaders,
     ResponseComplete,
+    ResponseHeaders,
+    SaturationDetector,
     Scorer,
 )
 from epp.scheduling.scheduler import Scheduler, SchedulerProfile, _no_timer
@@ -101,6 +104,10 @@ class BuiltConfig:
     pre_request: list[PreRequest] = field(default_factory=list)
     response_complete: list[ResponseComplete] = field(default_factory=list)
     endpoint_removed: list[EndpointRemoved] = field(default_factory=list)
+    request_headers: list[RequestHeaders] = field(default_factory=list)
+    response_headers: list[ResponseHeaders] = field(default_factory=list)
+    # The plugin named by ``saturationDetector: {pluginRef: …}``, if any.
+    saturation_detector: SaturationDetector | None = None
 
 
 def _err(source: str, path: str, msg: str) -> ConfigError:
@@ -332,6 +339,12 @@ def build(
             picker = default_picker
         profiles[spec.name] = SchedulerProfile(spec.name, filters, scorers, picker, timer)
 
+    check = getattr(handler, "check_profiles", None)
+    if check is not None:
+        try:
+            check(set(profiles))
+        except ConfigError as e:
+            raise _err(src, "schedulingProfiles", str(e)) from e
     built = BuiltConfig(
         config=config,
         plugins=handle.plugins,
@@ -339,10 +352,15 @@ def build(
         pre_request=[p for p in handle.plugins.values() if isinstance(p, PreRequest)],
         response_complete=[p for p in handle.plugins.values() if isinstance(p, ResponseComplete)],
         endpoint_removed=[p for p in handle.plugins.values() if isinstance(p, EndpointRemoved)],
+        request_headers=[p for p in handle.plugins.values() if isinstance(p, RequestHeaders)],
+        response_headers=[p for p in handle.plugins.values() if isinstance(p, ResponseHeaders)],
     )
     if config.saturation_detector is not None:
-        raise _err(src, "saturationDetector", f"{config.saturation_detector!r} is not a "
-                   "saturation detector")
+        detector = handle.plugins[config.saturation_detector]
+        if not isinstance(detector, SaturationDetector):
+            raise _err(src, "saturationDetector", f"{config.saturation_detector!r} is not a "
+                       "saturation detector (use a utilization-detector plugin)")
+        built.saturation_detector = detector
     return built
 
 

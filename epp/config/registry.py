@@ -79,7 +79,8 @@ def _import_factory(ref: str, path: str) -> PluginFactory:
 
 def default_registry() -> Registry:
     """The built-in plugins, registered explicitly in one place."""
-    from epp.scheduling.plugins import handlers, pickers, prefix, scorers
+    from epp.scheduling.plugins import handlers, pd, pickers, prefix, roles, scorers, topology
+    from epp.scheduling.plugins import filters, load, lora, nohit, saturation, session
 
     reg = Registry()
     for cls in (
@@ -88,8 +89,29 @@ def default_registry() -> Registry:
         pickers.RandomPicker,
         scorers.QueueScorer,
         scorers.KVCacheUtilizationScorer,
+        scorers.RunningRequestsSizeScorer,
         prefix.PrefixCacheScorer,
         prefix.ApproxPrefixCacheProducer,
+        pd.DisaggProfileHandler,
+        pd.PdProfileHandler,
+        pd.PrefixBasedPDDecider,
+        pd.AlwaysDisaggPDDecider,
+        pd.PrefillHeaderHandler,
+        pd.DisaggHeadersHandler,
+        roles.DecodeFilter,
+        roles.PrefillFilter,
+        topology.TopologyAffinityScorer,
+        pickers.WeightedRandomPicker,
+        lora.LoraAffinityScorer,
+        load.LoadAwareScorer,
+        load.ActiveRequestScorer,
+        load.TokenLoadScorer,
+        load.InFlightLoadProducer,
+        session.SessionAffinityScorer,
+        nohit.NoHitLRUScorer,
+        filters.LabelSelectorFilter,
+        filters.ByLabelSelectorFilter,
+        saturation.UtilizationDetector,
     ):
         reg.register_class(cls)
     return reg

@@ -194,7 +194,8 @@ class EngineMapping:
                                  ("kv-cache usage", kv, self.kv_usage)):
             if got is None and srcs:
                 missing.append(f"{label} ({' or '.join(map(str, srcs))})")
-        active = waiting_l = None
+        active: frozenset[str] | None = None
+        waiting_l: frozenset[str] | None = None
         max_l: int | None = None
         if self.lora_info is not None:
             newest: Sample | None = None

@@ -97,6 +97,10 @@ class EppMetrics:
             "plugin type and plugin name.",
             ["extension_point", "plugin_type", "plugin_name"], buckets=_SCHED_BUCKETS,
             registry=r)
+        self.pd_decisions = Counter(
+            "epp_pd_decisions_total",
+            "Prefill/decode decisions of a disaggregating profile handler, by type "
+            "(disaggregated, decode-only).", ["decision_type"], registry=r)
         info = Info("inference_extension", "General information of the current build of the "
                     "endpoint picker.", registry=r)
         info.info({"commit": "", "build_ref": __version__})

@@ -24,7 +24,12 @@ from epp.handlers.protocol import Routing
 from epp.observability.metrics import EppMetrics
 from epp.parsing.request import ParsedRequest, api_type_for_path, parse_request_body, rewrite_model
 from epp.parsing.usage import UsageParser
-from epp.scheduling.interfaces import PreRequest, ResponseComplete
+from epp.scheduling.interfaces import (
+    PreRequest,
+    RequestHeaders,
+    ResponseComplete,
+    ResponseHeaders,
+)
 from epp.scheduling.scheduler import Scheduler
 from epp.scheduling.types import LLMRequest
 
@@ -51,12 +56,18 @@ class Director:
         metrics: EppMetrics,
         pre_request: Sequence[PreRequest] = (),
         response_complete: Sequence[ResponseComplete] = (),
+        request_headers: Sequence[RequestHeaders] = (),
+        response_headers: Sequence[ResponseHeaders] = (),
     ) -> None:
         self.store = store
         self.scheduler = scheduler
         self.metrics = metrics
         self.pre_request = tuple(pre_request)
         self.response_complete = tuple(response_complete)
+        self.request_headers = tuple(request_headers)
+        self.response_headers = tuple(response_headers)
+        # P/D handlers classify each decision ("disaggregated" / "decode-only").
+        self._pd_decision = getattr(scheduler.handler, "decision", None)
 
     async def route(
         self,
@@ -90,6 +101,10 @@ class Director:
         for plugin in self.pre_request:
             plugin.pre_request(request, result)
         set_headers: dict[str, str] = {}
+        for hp in self.request_headers:
+            set_headers.update(hp.request_headers(request, result))
+        if self._pd_decision is not None:
+            self.metrics.pd_decisions.labels(self._pd_decision(result)).inc()
         if keys.HEADER_REQUEST_ID not in headers:
             set_headers[keys.HEADER_REQUEST_ID] = request.request_id
         new_body = None
@@ -140,7 +155,16 @@ class Director:
         ctx.status = status
         ctype = headers.get(keys.HEADER_CONTENT_TYPE, "")
         ctx.usage = UsageParser(sse=ctype.startswith(keys.CONTENT_TYPE_SSE))
-        return None
+        out: dict[str, str] = {}
+        for plugin in self.response_headers:
+            try:
+                extra = plugin.response_headers(ctx.request, ctx.endpoint_key, status, headers)
+            except Exception:
+                log.exception("ResponseHeaders plugin %s failed", plugin.name)
+                continue
+            if extra:
+                out.update(extra)
+        return out or None
 
     def on_response_body(self, context: Any, chunk: bytes, end_of_stream: bool) -> bytes | None:
         ctx: RequestContext = context

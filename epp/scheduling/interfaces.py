@@ -89,9 +89,35 @@ class ResponseComplete(Plugin, Protocol):
 
 
 @runtime_checkable
+class RequestHeaders(Plugin, Protocol):
+    def request_headers(self, request: LLMRequest, result: SchedulingResult) -> Mapping[str, str]:
+        """Headers to set on the request sent upstream (e.g. ``x-prefiller-host-port``)."""
+        ...
+
+
+@runtime_checkable
 class EndpointRemoved(Plugin, Protocol):
     def endpoint_removed(self, key: str) -> None:
         """The endpoint ``key`` left the pool: drop any state kept for it."""
+        ...
+
+
+@runtime_checkable
+class ResponseHeaders(Plugin, Protocol):
+    def response_headers(self, request: LLMRequest, endpoint_key: str, status: int,
+                         headers: Mapping[str, str]) -> Mapping[str, str] | None:
+        """Headers to set on the response to the client (e.g. ``x-session-token``).
+
+        Called once per routed request when the upstream response headers arrive, with the
+        request, the primary endpoint's key, the HTTP status and the response headers.
+        """
+        ...
+
+
+@runtime_checkable
+class SaturationDetector(Plugin, Protocol):
+    def is_saturated(self, endpoints: Sequence[Endpoint]) -> bool:
+        """True when none of ``endpoints`` has capacity for more work (empty → True)."""
         ...
 
 

@@ -1,15 +1,17 @@
 """The EPP server: explicit lifecycle (``start()``, ``stop(grace)``), one event loop.
 
-Startup order: build the config (fails fast), load endpoints (fails fast on a bad file),
-bind the metrics, health and ext_proc ports (a port in use is a clear error), then report
-SERVING on the health services once the endpoint source has synced.
+Startup order: build the config and the metric mappings (fail fast), load endpoints
+(fails fast on a bad file), bind the metrics, health and ext_proc ports (a port in use is
+a clear error), start the model-server metrics scraper, then report SERVING on the health
+services once the endpoint source has synced. Stop: endpoint source, scraper, then the
+gRPC servers (with grace) and the metrics port.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -20,12 +22,21 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from epp import keys
 from epp.config.loader import BuiltConfig, load_and_build
+from epp.datalayer.engines import EngineMappings, MappingOverrides
+from epp.datalayer.scraper import MetricsScraper, ScrapeOptions, ScraperCollector
 from epp.datastore.store import Datastore
+from epp.discovery.kubeclient import KubeApi, connect
+from epp.discovery.kubernetes import (KubernetesOptions, KubernetesSource, PoolSpec,
+                                      parse_selector, parse_target_ports, resolve_namespace)
+from epp.discovery.reflector import ReflectorOptions
 from epp.discovery.static import StaticFileSource, parse_endpoints_arg
 from epp.errors import ConfigError
 from epp.handlers.extproc import ExtProcServicer
 from epp.observability.metrics import EppMetrics
 from epp.requestcontrol.director import Director
+from epp.server.leader import (LeaderElectionOptions, LeaderElector, default_identity,
+                               lease_name)
+from epp.server.tls import load_key_pair, self_signed_key_pair
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +59,27 @@ class ServeOptions:
     endpoints_file: str | None = None
     max_request_body_bytes: int = DEFAULT_MAX_BODY
     endpoints_poll_interval_s: float = 0.5
+    # Kubernetes discovery (docs/kubernetes.md): an InferencePool, or standalone.
+    pool_name: str | None = None
+    pool_namespace: str | None = None
+    pool_group: str = keys.K8S_POOL_GROUP
+    endpoint_selector: str | None = None
+    endpoint_target_ports: str | None = None
+    kubeconfig: str | None = None
+    watch_nodes: bool = True
+    k8s_debounce_s: float = 0.05
+    k8s_reflector: ReflectorOptions = field(default_factory=ReflectorOptions)
+    # TLS on the ext_proc port (GIE serves it by default; here it is opt-in).
+    secure_serving: bool = False
+    cert_path: str | None = None
+    # Leader election (active-passive); client-go's default timings.
+    ha_enable_leader_election: bool = False
+    ha_lease_duration_s: float = 15.0
+    ha_renew_deadline_s: float = 10.0
+    ha_retry_period_s: float = 2.0
+    scrape_metrics: bool = True
+    scrape: ScrapeOptions = field(default_factory=ScrapeOptions)
+    metric_overrides: MappingOverrides = field(default_factory=MappingOverrides)
 
 
 class EppServer:
@@ -62,17 +94,29 @@ class EppServer:
         self._health_server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self._metrics_runner: web.AppRunner | None = None
+        self._kube_api: KubeApi | None = None
+        self.k8s_source: KubernetesSource | None = None
+        self.elector: LeaderElector | None = None
+        self.scraper: MetricsScraper | None = None
 
     async def start(self) -> None:
         o = self.options
         # Phase 1: everything that can be validated without binding a port.
         self.built = load_and_build(o.config_file, o.config_text,
                                     timer=self.metrics.observe_plugin)
-        if (o.endpoints is None) == (o.endpoints_file is None):
-            raise ConfigError("give exactly one endpoint source: --endpoints ip:port[,…] or "
-                              "--endpoints-file FILE")
+        kube = self._kubernetes_options()
+        if sum(x is not None for x in (o.endpoints, o.endpoints_file, kube)) != 1:
+            raise ConfigError("give exactly one endpoint source: --endpoints ip:port[,…], "
+                              "--endpoints-file FILE, --pool-name NAME (an InferencePool), or "
+                              "--endpoint-selector k=v[,…] with --endpoint-target-ports "
+                              "PORT[,…] (pods without the CRD)")
+        if o.ha_enable_leader_election and kube is None:
+            raise ConfigError("--ha-enable-leader-election needs a Kubernetes endpoint "
+                              "source (--pool-name or --endpoint-selector)")
         if o.endpoints is not None:
             self.store.set_endpoints(parse_endpoints_arg(o.endpoints))
+        elif kube is not None:
+            await self._setup_kubernetes(kube)
         else:
             self._static_file = StaticFileSource(Path(o.endpoints_file or ""), self.store,
                                                  o.endpoints_poll_interval_s)
@@ -80,7 +124,12 @@ class EppServer:
         for plugin in self.built.endpoint_removed:
             self.store.on_removed(lambda ep, p=plugin: p.endpoint_removed(ep.key))
         self.director = Director(self.store, self.built.scheduler, self.metrics,
-                                 self.built.pre_request, self.built.response_complete)
+                                 self.built.pre_request, self.built.response_complete,
+                                 self.built.request_headers, self.built.response_headers)
+        scraper: MetricsScraper | None = None
+        if o.scrape_metrics:
+            scraper = MetricsScraper(self.store, o.scrape,
+                                     EngineMappings(overrides=o.metric_overrides))
 
         # Phase 2: bind ports.
         try:
@@ -90,9 +139,17 @@ class EppServer:
         except BaseException:
             await self.stop(0)
             raise
+        if scraper is not None:
+            self.metrics.registry.register(ScraperCollector(scraper))
+            scraper.start()
+            self.scraper = scraper
         if self._static_file is not None:
             self._static_file.start_polling()
         await self._update_health()
+        if self.k8s_source is not None:
+            await self.k8s_source.start()
+        if self.elector is not None:
+            self.elector.start()
         log.info("epp serving ext_proc on %s:%d (health %d, metrics %d), %d endpoints",
                  o.bind_address, o.grpc_port, o.grpc_health_port, o.metrics_port,
                  len(self.store))
@@ -110,10 +167,14 @@ class EppServer:
             ("grpc.http2.max_ping_strikes", 0),
         ])
 
-    def _bind(self, server: grpc.aio.Server, port: int, what: str) -> None:
+    def _bind(self, server: grpc.aio.Server, port: int, what: str,
+              credentials: grpc.ServerCredentials | None = None) -> None:
         addr = f"{self.options.bind_address}:{port}"
         try:
-            bound = server.add_insecure_port(addr)
+            if credentials is not None:
+                bound = server.add_secure_port(addr, credentials)
+            else:
+                bound = server.add_insecure_port(addr)
         except RuntimeError as e:
             raise StartupError(f"cannot listen for {what} on {addr}: {e} (port in use? pick "
                                "another with the matching --*-port flag)") from e
@@ -129,7 +190,14 @@ class EppServer:
         pb_grpc.add_ExternalProcessorServicer_to_server(
             ExtProcServicer(self.director, self.options.max_request_body_bytes), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        self._bind(server, self.options.grpc_port, "ext_proc gRPC")
+        credentials: grpc.ServerCredentials | None = None
+        if self.options.secure_serving:
+            # GIE's EPP serves TLS (self-signed unless --cert-path); gateways built for it
+            # connect with TLS and skip verification. Health stays plaintext (probes).
+            key, chain = (load_key_pair(self.options.cert_path) if self.options.cert_path
+                          else self_signed_key_pair())
+            credentials = grpc.ssl_server_credentials([(key, chain)])
+        self._bind(server, self.options.grpc_port, "ext_proc gRPC", credentials)
         await server.start()
         self._grpc = server
 
@@ -161,10 +229,60 @@ class EppServer:
                                "pick another with --metrics-port)") from e
         self._metrics_runner = runner
 
+    def _kubernetes_options(self) -> KubernetesOptions | None:
+        """Kubernetes discovery options from the flags; None when none were given."""
+        o = self.options
+        if o.endpoint_target_ports is not None and o.endpoint_selector is None:
+            raise ConfigError("--endpoint-target-ports needs --endpoint-selector")
+        if o.endpoint_selector is not None:
+            if o.endpoint_target_ports is None:
+                raise ConfigError("--endpoint-selector needs --endpoint-target-ports "
+                                  "PORT[,PORT…]")
+            standalone = PoolSpec(parse_selector(o.endpoint_selector),
+                                  parse_target_ports(o.endpoint_target_ports))
+            return KubernetesOptions(namespace=resolve_namespace(o.pool_namespace),
+                                     standalone=standalone, watch_nodes=o.watch_nodes,
+                                     debounce_s=o.k8s_debounce_s, reflector=o.k8s_reflector)
+        if o.pool_name is not None:
+            if not o.pool_name:
+                raise ConfigError("--pool-name: empty name")
+            return KubernetesOptions(namespace=resolve_namespace(o.pool_namespace),
+                                     pool_name=o.pool_name, pool_group=o.pool_group,
+                                     watch_nodes=o.watch_nodes, debounce_s=o.k8s_debounce_s,
+                                     reflector=o.k8s_reflector)
+        if o.pool_namespace is not None or o.kubeconfig is not None:
+            raise ConfigError("--pool-namespace/--kubeconfig need --pool-name or "
+                              "--endpoint-selector")
+        return None
+
+    async def _setup_kubernetes(self, kube: KubernetesOptions) -> None:
+        """Connect (fails fast on a missing or bad kubeconfig) and build the source and,
+        when enabled, the leader elector; both start after the ports are bound."""
+        o = self.options
+        election: LeaderElectionOptions | None = None
+        if o.ha_enable_leader_election:
+            name = kube.pool_name or o.pool_name
+            if not name:
+                raise ConfigError("--ha-enable-leader-election in standalone mode needs "
+                                  "--pool-name NAME to name the Lease")
+            election = LeaderElectionOptions(
+                namespace=kube.namespace, name=lease_name(kube.namespace, name),
+                identity=default_identity(), lease_duration_s=o.ha_lease_duration_s,
+                renew_deadline_s=o.ha_renew_deadline_s, retry_period_s=o.ha_retry_period_s)
+        self._kube_api = await connect(o.kubeconfig)
+        self.k8s_source = KubernetesSource(self._kube_api, self.store, kube,
+                                           on_state_change=self._update_health)
+        if election is not None:
+            self.elector = LeaderElector(self._kube_api, election,
+                                         on_change=lambda _leader: self._update_health())
+
     async def _update_health(self) -> None:
         serving = health_pb2.HealthCheckResponse.SERVING
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
-        ready = serving if self.store.synced else not_serving
+        ready_now = (self.store.synced
+                     and (self.k8s_source is None or self.k8s_source.ready)
+                     and (self.elector is None or self.elector.is_leader))
+        ready = serving if ready_now else not_serving
         await self._health.set(keys.HEALTH_LIVENESS, serving)
         await self._health.set(keys.HEALTH_READINESS, ready)
         await self._health.set(keys.HEALTH_EXT_PROC, ready)
@@ -172,8 +290,20 @@ class EppServer:
 
     async def stop(self, grace: float = 5.0) -> None:
         """Stop accepting streams, let running ones finish for ``grace`` seconds, close all."""
+        if self.elector is not None:
+            await self.elector.stop()  # releases the Lease: a standby takes over at once
+            self.elector = None
+        if self.k8s_source is not None:
+            await self.k8s_source.stop()
+            self.k8s_source = None
+        if self._kube_api is not None:
+            await self._kube_api.close()
+            self._kube_api = None
         if self._static_file is not None:
             await self._static_file.stop()
+        if self.scraper is not None:
+            await self.scraper.stop()
+            self.scraper = None
         for server in (self._grpc, self._health_server):
             if server is not None:
                 await server.stop(grace)

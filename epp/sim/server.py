@@ -1,30 +1,39 @@
-"""A minimal OpenAI-compatible model server (vLLM-like) for tests, the demo and benchmarks.
+"""``epp sim``: OpenAI-compatible, vLLM-like model servers backed by a latency model.
 
-One :func:`build_app` per simulated pod. It answers the OpenAI routes the EPP parses
-(design.md section 3) with deterministic fake output, exports vLLM-named Prometheus
-metrics (design.md section 6) and records what it received so tests can check, on the
-upstream side, which pod Envoy routed to and that the body arrived intact.
+One :func:`build_app` per simulated pod, each with its own :class:`epp.sim.engine.Engine`
+(continuous batching, chunked prefill, prefix cache, LoRA slots; see that module and
+docs/simulator.md), its own Prometheus registry and its own seeded random source.
 
 Contracts
-- Every response carries ``x-sim-server: <name>``.
+- Every response carries ``x-sim-server: <name>`` (``sim-<port>`` from
+  :func:`start_servers`).
 - A POST whose body is not a JSON object gets 400 with an OpenAI error body
   ``{"error": {"message", "type", "code"}}``; so does one missing its route's required
-  field (``prompt``, ``messages``, ``input``).
-- ``usage.prompt_tokens`` is the whitespace word count of the prompt text (token ids
-  count one each); ``completion_tokens`` is ``max_tokens`` (or
-  ``max_completion_tokens``; Responses API: ``max_output_tokens``), default
-  :data:`DEFAULT_MAX_TOKENS`; ``prompt_tokens_details.cached_tokens`` is 0. The Responses
-  API uses its own names (``input_tokens``, ``output_tokens``, ``input_tokens_details``).
-- ``"stream": true`` gives SSE: one event per completion token, each written (and so
-  flushed) separately, then a usage-only chunk when ``stream_options.include_usage`` is
-  true, then ``data: [DONE]``. (Responses API streams typed events and no ``[DONE]``.)
-- Every POST is recorded, before any artificial delay, as ``{"path", "body_len",
-  "body_sha256", "headers"}`` (header names lower-cased; repeated headers joined with
-  ", ") in a deque of the last :data:`DEBUG_LOG_SIZE`; ``GET /debug/requests`` returns
-  it oldest first, ``DELETE /debug/requests`` clears it.
-- ``vllm:num_requests_running`` is the number of POST requests in flight right now;
-  ``vllm:num_requests_waiting`` is 0 (no queue); ``vllm:kv_cache_usage_perc`` is
-  ``min(1, running / MAX_NUM_SEQS)``.
+  field (``prompt``, ``messages``, ``input``), and one whose prompt plus ``max_tokens``
+  could never fit in the KV cache.
+- Tokens are whitespace words (:mod:`epp.sim.tokens`). ``usage.prompt_tokens`` is the
+  prompt's word count (token ids count one each); ``completion_tokens`` is
+  ``max_tokens`` (or ``max_completion_tokens``; Responses API: ``max_output_tokens``),
+  default :data:`DEFAULT_MAX_TOKENS`, and 1 on a ``prefill``-role server;
+  ``prompt_tokens_details.cached_tokens`` is the prompt tokens served from the prefix
+  cache. The Responses API uses its own names (``input_tokens``, ``output_tokens``,
+  ``input_tokens_details``).
+- Generation takes the time the engine model says: a non-streaming response is sent
+  when the last token is generated; ``"stream": true`` gives SSE with one event per
+  token, written (and flushed) when that token's engine step ends, so a client observes
+  TTFT and inter-token latency. Then a usage-only chunk when
+  ``stream_options.include_usage`` is true, then ``data: [DONE]``. (Responses API
+  streams typed events and no ``[DONE]``.)
+- ``error_rate``: each valid generation/embedding request draws from the server's
+  random source (seeded by ``seed`` and the server name); a hit gets 500 with an OpenAI
+  error body before reaching the engine.
+- Every POST is recorded on arrival, before any delay or failure, as ``{"path",
+  "body_len", "body_sha256", "headers"}`` (header names lower-cased; repeated headers
+  joined with ", ") in a deque of the last :data:`DEBUG_LOG_SIZE`; ``GET
+  /debug/requests`` returns it oldest first, ``DELETE /debug/requests`` clears it.
+  ``GET /debug/state`` returns the configuration and the engine's state.
+- ``/metrics``: vLLM metric names (:mod:`epp.sim.metrics`). ``/health``: 200, or 503
+  during slow start. ``/v1/models``: the base model and each LoRA adapter.
 """
 
 from __future__ import annotations
@@ -33,6 +42,8 @@ import argparse
 import asyncio
 import contextlib
 import hashlib
+import math
+import random
 import signal
 import sys
 import time
@@ -44,16 +55,35 @@ from typing import Any, Final
 
 import orjson
 from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from epp.sim.config import ROLES, SimConfig
+from epp.sim.engine import Engine, EngineError, PromptTooLong, SimRequest
+from epp.sim.metrics import CONTENT_TYPE as _PROMETHEUS
+from epp.sim.metrics import build_registry, render
+from epp.sim.tokens import (
+    BadRequest,
+    Token,
+    messages_tokens,
+    prompt_tokens,
+    responses_input_tokens,
+)
 
 __all__ = [
     "DEBUG_LOG_SIZE",
     "DEFAULT_MAX_TOKENS",
     "DEFAULT_MODEL",
     "SIM_SERVER_HEADER",
+    "STATE_KEY",
+    "BadRequest",
+    "SimConfig",
     "SimState",
     "build_app",
+    "build_parser",
+    "config_from_args",
     "main",
     "run_servers",
+    "serving",
     "start_servers",
 ]
 
@@ -61,12 +91,10 @@ SIM_SERVER_HEADER: Final = "x-sim-server"
 DEFAULT_MODEL: Final = "sim-model"
 DEFAULT_MAX_TOKENS: Final = 16
 DEBUG_LOG_SIZE: Final = 1000
-MAX_NUM_SEQS: Final = 256
 EMBEDDING_DIM: Final = 8
 
 _JSON: Final = "application/json"
 _SSE: Final = "text/event-stream"
-_PROMETHEUS: Final = "text/plain; version=0.0.4; charset=utf-8"
 
 Json = dict[str, Any]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -74,20 +102,33 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 @dataclass
 class SimState:
-    """Per-app mutable state (one simulated pod). Owned by its app, never shared."""
+    """Per-app state (one simulated pod). Owned by its app, never shared."""
 
     name: str
     model: str
+    config: SimConfig
+    engine: Engine
+    registry: CollectorRegistry
+    rng: random.Random
     delay_s: float = 0.0
-    running: int = 0
     requests: deque[Json] = field(default_factory=lambda: deque(maxlen=DEBUG_LOG_SIZE))
+
+    def inject_error(self) -> bool:
+        """Draw once from the seeded source: True with probability ``error_rate``."""
+        rate = self.config.error_rate
+        return rate > 0 and self.rng.random() < rate
 
 
 STATE_KEY: Final = web.AppKey("sim_state", SimState)
 
 
-class BadRequest(Exception):
-    """A client error that becomes a 400 OpenAI error response."""
+class _HttpError(Exception):
+    """Becomes an OpenAI error response with ``status``."""
+
+    def __init__(self, status: int, message: str, err_type: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.err_type = err_type
 
 
 # ---------------------------------------------------------------- helpers
@@ -103,65 +144,6 @@ def _error(message: str, status: int = 400, err_type: str = "BadRequestError") -
     )
 
 
-def _words(text: str) -> int:
-    return len(text.split())
-
-
-def _count_prompt(prompt: Any) -> int:
-    """Word count of a completions ``prompt`` / embeddings ``input``: a string, a list of
-    strings, a list of token ids, or a list of token-id lists (each id counts one)."""
-    if isinstance(prompt, str):
-        return _words(prompt)
-    if isinstance(prompt, int):
-        return 1
-    if isinstance(prompt, list):
-        return sum(_count_prompt(p) for p in prompt)
-    raise BadRequest("prompt/input must be a string, a list of strings or token ids")
-
-
-def _content_text(content: Any) -> str:
-    """Text of a chat/Responses message ``content``: a string or a list of parts; parts
-    without text (images, audio) contribute nothing."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if isinstance(part, dict) and isinstance(part.get("text"), str):
-                texts.append(part["text"])
-            elif isinstance(part, str):
-                texts.append(part)
-        return " ".join(texts)
-    raise BadRequest("message content must be a string or a list of content parts")
-
-
-def _count_messages(messages: Any) -> int:
-    if not isinstance(messages, list):
-        raise BadRequest("'messages' must be a list")
-    total = 0
-    for msg in messages:
-        if not isinstance(msg, dict):
-            raise BadRequest("each message must be an object")
-        total += _words(_content_text(msg.get("content")))
-    return total
-
-
-def _count_responses_input(inp: Any) -> int:
-    if isinstance(inp, str):
-        return _words(inp)
-    if isinstance(inp, list):
-        total = 0
-        for item in inp:
-            if isinstance(item, dict):
-                total += _words(_content_text(item.get("content", item.get("text"))))
-            elif isinstance(item, str):
-                total += _words(item)
-        return total
-    raise BadRequest("'input' must be a string or a list of input items")
-
-
 def _max_tokens(body: Json, *keys: str) -> int:
     for key in keys:
         value = body.get(key)
@@ -172,18 +154,9 @@ def _max_tokens(body: Json, *keys: str) -> int:
     return DEFAULT_MAX_TOKENS
 
 
-def _tokens(n: int) -> list[str]:
-    """The fake completion: ``n`` tokens; each streamed token is one word."""
-    return [f" tok{i}" for i in range(n)]
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> Json:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": 0},
-    }
+def _token_text(i: int) -> str:
+    """The fake completion's token ``i`` (each is one word)."""
+    return f" tok{i}"
 
 
 def _include_usage(body: Json) -> bool:
@@ -218,7 +191,7 @@ async def _sse_start(request: web.Request) -> web.StreamResponse:
 
 async def _sse_send(resp: web.StreamResponse, obj: Any, event: str | None = None) -> None:
     """Write one SSE event. Each event is its own write (its own HTTP chunk), and the
-    drain lets the transport push it out before the next one is produced."""
+    yield lets the transport push it out before the next one is produced."""
     prefix = f"event: {event}\n".encode() if event else b""
     await resp.write(prefix + b"data: " + orjson.dumps(obj) + b"\n\n")
     await asyncio.sleep(0)
@@ -230,13 +203,147 @@ async def _sse_done(resp: web.StreamResponse) -> web.StreamResponse:
     return resp
 
 
+# ---------------------------------------------------------------- generation
+
+
+@dataclass(slots=True)
+class _Gen:
+    """One accepted generation: the engine request and what the response reports."""
+
+    state: SimState
+    req: SimRequest
+    prompt_tokens: int
+    max_tokens: int
+    model: str
+    kv_transfer_params: Json | None
+
+    def usage(self) -> Json:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.req.generated,
+            "total_tokens": self.prompt_tokens + self.req.generated,
+            "prompt_tokens_details": {"cached_tokens": self.req.cached_tokens},
+        }
+
+    def text(self) -> str:
+        return "".join(_token_text(i) for i in range(self.req.generated))
+
+    def extra(self) -> Json:
+        """Top-level response fields besides the OpenAI ones (P/D transfer params)."""
+        return (
+            {}
+            if self.kv_transfer_params is None
+            else {"kv_transfer_params": self.kv_transfer_params}
+        )
+
+    async def wait(self) -> None:
+        """Until the last token; 503 if the engine stops first. Aborts on cancel."""
+        try:
+            await self.req.result()
+        except EngineError as exc:
+            raise _HttpError(503, str(exc), "ServiceUnavailableError") from None
+        finally:
+            self.state.engine.abort(self.req)
+
+    async def stream(self) -> AsyncIterator[int]:
+        """Token indices as generated. The caller must :meth:`close` in a finally."""
+        async for i in self.req.tokens():
+            yield i
+
+    def close(self) -> None:
+        """Abort the engine request if it is still pending (client gone, error)."""
+        self.state.engine.abort(self.req)
+
+
+def _submit(
+    request: web.Request, body: Json, tokens: list[Token], max_tokens: int, *, generate: bool
+) -> _Gen:
+    """Accept a parsed request: role rules, the KV-fit check (400), failure injection
+    (500; only requests that pass the checks draw), engine submission (503 once the
+    engine is stopped).
+
+    ``generate`` is False for embeddings (prefill only, no role rules).
+    """
+    state = request.app[STATE_KEY]
+    cfg = state.config
+    model = _model(body, state)
+    lora = model if model in cfg.loras else None
+    if generate and cfg.role == "prefill":
+        max_tokens = 1
+    try:
+        state.engine.validate(len(tokens), max_tokens, lora)
+    except PromptTooLong as exc:
+        raise BadRequest(str(exc)) from None
+    if state.inject_error():  # only requests that would be served draw
+        raise _HttpError(500, "simulated internal server error", "InternalServerError")
+    params = body.get("kv_transfer_params")
+    params = params if isinstance(params, dict) else None
+    remote = False
+    out_params: Json | None = None
+    if generate and cfg.role == "prefill" and params is not None:
+        bs = cfg.block_size
+        out_params = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": state.name,
+            "remote_block_ids": list(range(math.ceil(max(1, len(tokens)) / bs))),
+            "remote_host": request.host.rsplit(":", 1)[0],
+            "remote_port": _local_port(request),
+            "tp_size": 1,
+        }
+    elif generate and cfg.role == "decode":
+        remote = params is not None and params.get("do_remote_prefill") is True
+    try:
+        req = state.engine.submit(tokens, max_tokens, lora=lora, remote_prefill=remote)
+    except PromptTooLong as exc:
+        raise BadRequest(str(exc)) from None
+    except EngineError as exc:  # stopped: the server is shutting down
+        raise _HttpError(503, str(exc), "ServiceUnavailableError") from None
+    return _Gen(state, req, len(tokens), max_tokens, model, out_params)
+
+
+def _local_port(request: web.Request) -> int:
+    sockname = request.transport.get_extra_info("sockname") if request.transport else None
+    return int(sockname[1]) if isinstance(sockname, tuple) and len(sockname) >= 2 else 0
+
+
+async def _stream_events(
+    request: web.Request,
+    gen: _Gen,
+    on_start: Callable[[web.StreamResponse], Awaitable[None]] | None,
+    on_token: Callable[[web.StreamResponse, int], Awaitable[None]],
+    on_end: Callable[[web.StreamResponse], Awaitable[web.StreamResponse]],
+) -> web.StreamResponse:
+    """Drive one SSE response: ``on_start`` after the headers, ``on_token`` per token as
+    its step ends, ``on_end`` after the last. An engine failure mid-stream sends an
+    ``{"error": ...}`` event and ends the stream; a client that goes away aborts the
+    engine request."""
+    resp = await _sse_start(request)
+    try:
+        if on_start is not None:
+            await on_start(resp)
+        try:
+            async for i in gen.stream():
+                await on_token(resp, i)
+        except EngineError as exc:
+            err = {"message": str(exc), "type": "ServiceUnavailableError", "code": 503}
+            await _sse_send(resp, {"error": err})
+            await resp.write_eof()
+            return resp
+        return await on_end(resp)
+    except ConnectionError:
+        return resp
+    finally:
+        gen.close()
+
+
 # ---------------------------------------------------------------- middleware
 
 
 @web.middleware
 async def _track(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Record every POST and count it as running while it is handled (streams included);
-    turn BadRequest into a 400."""
+    """Record every POST on arrival, apply ``delay_s``, and turn BadRequest and
+    _HttpError into OpenAI error responses."""
     state = request.app[STATE_KEY]
     if request.method != "POST":
         return await handler(request)
@@ -249,15 +356,14 @@ async def _track(request: web.Request, handler: Handler) -> web.StreamResponse:
             "headers": _lower_headers(request),
         }
     )
-    state.running += 1
     try:
         if state.delay_s > 0:
             await asyncio.sleep(state.delay_s)
         return await handler(request)
     except BadRequest as exc:
         return _error(str(exc))
-    finally:
-        state.running -= 1
+    except _HttpError as exc:
+        return _error(str(exc), exc.status, exc.err_type)
 
 
 def _lower_headers(request: web.Request) -> dict[str, str]:
@@ -277,134 +383,121 @@ async def _stamp(request: web.Request, response: web.StreamResponse) -> None:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/completions."""
-    state = request.app[STATE_KEY]
     body = await _json_body(request)
     if "prompt" not in body:
         raise BadRequest("'prompt' is required")
-    prompt_tokens = _count_prompt(body["prompt"])
-    tokens = _tokens(_max_tokens(body, "max_tokens"))
-    model = _model(body, state)
+    tokens = prompt_tokens(body["prompt"])
+    gen = _submit(request, body, tokens, _max_tokens(body, "max_tokens"), generate=True)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    usage = _usage(prompt_tokens, len(tokens))
+
+    def envelope(choices: list[Json]) -> Json:
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": gen.model,
+            "choices": choices,
+        }
+
     if not body.get("stream"):
-        return _json_response(
-            {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": "".join(tokens),
-                        "logprobs": None,
-                        "finish_reason": "length",
-                    }
-                ],
-                "usage": usage,
-            }
-        )
-    resp = await _sse_start(request)
-    for i, tok in enumerate(tokens):
-        last = i == len(tokens) - 1
-        await _sse_send(
-            resp,
-            {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": tok,
-                        "logprobs": None,
-                        "finish_reason": "length" if last else None,
-                    }
-                ],
-            },
-        )
-    if _include_usage(body):
-        await _sse_send(
-            resp,
-            {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": usage,
-            },
-        )
-    return await _sse_done(resp)
+        await gen.wait()
+        choice = {"index": 0, "text": gen.text(), "logprobs": None, "finish_reason": "length"}
+        return _json_response({**envelope([choice]), "usage": gen.usage(), **gen.extra()})
+
+    async def on_token(resp: web.StreamResponse, i: int) -> None:
+        last = i == gen.max_tokens - 1
+        choice = {
+            "index": 0,
+            "text": _token_text(i),
+            "logprobs": None,
+            "finish_reason": "length" if last else None,
+        }
+        await _sse_send(resp, envelope([choice]))
+
+    async def on_end(resp: web.StreamResponse) -> web.StreamResponse:
+        if _include_usage(body):
+            await _sse_send(resp, {**envelope([]), "usage": gen.usage(), **gen.extra()})
+        return await _sse_done(resp)
+
+    return await _stream_events(request, gen, None, on_token, on_end)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    """POST /v1/chat/completions."""
-    state = request.app[STATE_KEY]
+    """POST /v1/chat/completions. Streaming sends the assistant-role chunk together with
+    the first token (as vLLM does), so the first event marks TTFT."""
     body = await _json_body(request)
     if "messages" not in body:
         raise BadRequest("'messages' is required")
-    prompt_tokens = _count_messages(body["messages"])
-    tokens = _tokens(_max_tokens(body, "max_completion_tokens", "max_tokens"))
-    model = _model(body, state)
+    tokens = messages_tokens(body["messages"])
+    max_tokens = _max_tokens(body, "max_completion_tokens", "max_tokens")
+    gen = _submit(request, body, tokens, max_tokens, generate=True)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    usage = _usage(prompt_tokens, len(tokens))
+
     if not body.get("stream"):
+        await gen.wait()
         return _json_response(
             {
                 "id": rid,
                 "object": "chat.completion",
                 "created": created,
-                "model": model,
+                "model": gen.model,
                 "choices": [
                     {
                         "index": 0,
-                        "message": {"role": "assistant", "content": "".join(tokens)},
+                        "message": {"role": "assistant", "content": gen.text()},
                         "logprobs": None,
                         "finish_reason": "length",
                     }
                 ],
-                "usage": usage,
+                "usage": gen.usage(),
+                **gen.extra(),
             }
         )
 
-    def chunk(delta: Json, finish: str | None) -> Json:
+    def chunk(choices: list[Json]) -> Json:
         return {
             "id": rid,
             "object": "chat.completion.chunk",
             "created": created,
-            "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+            "model": gen.model,
+            "choices": choices,
         }
 
-    resp = await _sse_start(request)
-    await _sse_send(resp, chunk({"role": "assistant", "content": ""}, None))
-    for i, tok in enumerate(tokens):
-        await _sse_send(resp, chunk({"content": tok}, "length" if i == len(tokens) - 1 else None))
-    if _include_usage(body):
-        await _sse_send(
-            resp,
-            {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": usage,
-            },
-        )
-    return await _sse_done(resp)
+    def delta(d: Json, finish: str | None) -> Json:
+        return chunk([{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}])
+
+    role_sent = False
+
+    async def send_role(resp: web.StreamResponse) -> None:
+        nonlocal role_sent
+        if not role_sent:
+            role_sent = True
+            await _sse_send(resp, delta({"role": "assistant", "content": ""}, None))
+
+    async def on_token(resp: web.StreamResponse, i: int) -> None:
+        await send_role(resp)
+        last = i == gen.max_tokens - 1
+        await _sse_send(resp, delta({"content": _token_text(i)}, "length" if last else None))
+
+    async def on_end(resp: web.StreamResponse) -> web.StreamResponse:
+        await send_role(resp)
+        if _include_usage(body):
+            await _sse_send(resp, {**chunk([]), "usage": gen.usage(), **gen.extra()})
+        return await _sse_done(resp)
+
+    return await _stream_events(request, gen, None, on_token, on_end)
 
 
 async def embeddings(request: web.Request) -> web.StreamResponse:
-    """POST /v1/embeddings: one fixed-size deterministic vector per input."""
-    state = request.app[STATE_KEY]
+    """POST /v1/embeddings: one fixed-size deterministic vector per input, answered
+    when the engine has prefilled the inputs (no decode)."""
     body = await _json_body(request)
     if "input" not in body:
         raise BadRequest("'input' is required")
     inp = body["input"]
-    prompt_tokens = _count_prompt(inp)
+    tokens = prompt_tokens(inp)
+    gen = _submit(request, body, tokens, 0, generate=False)
+    await gen.wait()
     items: list[Any] = (
         inp if isinstance(inp, list) and inp and not isinstance(inp[0], int) else [inp]
     )
@@ -419,55 +512,57 @@ async def embeddings(request: web.Request) -> web.StreamResponse:
             }
         )
     return _json_response(
-        {
-            "object": "list",
-            "data": data,
-            "model": _model(body, state),
-            "usage": _usage(prompt_tokens, 0),
-        }
+        {"object": "list", "data": data, "model": gen.model, "usage": gen.usage()}
     )
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
     """POST /v1/responses (OpenAI Responses API); streams typed events when asked."""
-    state = request.app[STATE_KEY]
     body = await _json_body(request)
     if "input" not in body:
         raise BadRequest("'input' is required")
-    input_tokens = _count_responses_input(body["input"])
-    tokens = _tokens(_max_tokens(body, "max_output_tokens"))
-    model = _model(body, state)
+    tokens = responses_input_tokens(body["input"])
+    gen = _submit(request, body, tokens, _max_tokens(body, "max_output_tokens"), generate=True)
     rid, msg_id, created = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}", int(time.time())
-    text = "".join(tokens)
-    usage = {
-        "input_tokens": input_tokens,
-        "output_tokens": len(tokens),
-        "total_tokens": input_tokens + len(tokens),
-        "input_tokens_details": {"cached_tokens": 0},
-        "output_tokens_details": {"reasoning_tokens": 0},
-    }
-    message = {
-        "type": "message",
-        "id": msg_id,
-        "status": "completed",
-        "role": "assistant",
-        "content": [{"type": "output_text", "text": text, "annotations": []}],
-    }
-    final = {
-        "id": rid,
-        "object": "response",
-        "created_at": created,
-        "status": "completed",
-        "model": model,
-        "output": [message],
-        "usage": usage,
-    }
+
+    def final() -> Json:
+        usage = gen.usage()
+        return {
+            "id": rid,
+            "object": "response",
+            "created_at": created,
+            "status": "completed",
+            "model": gen.model,
+            "output": [
+                {
+                    "type": "message",
+                    "id": msg_id,
+                    "status": "completed",
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": gen.text(), "annotations": []}],
+                }
+            ],
+            "usage": {
+                "input_tokens": usage["prompt_tokens"],
+                "output_tokens": usage["completion_tokens"],
+                "total_tokens": usage["total_tokens"],
+                "input_tokens_details": usage["prompt_tokens_details"],
+                "output_tokens_details": {"reasoning_tokens": 0},
+            },
+            **gen.extra(),
+        }
+
     if not body.get("stream"):
-        return _json_response(final)
-    resp = await _sse_start(request)
-    in_progress = {**final, "status": "in_progress", "output": [], "usage": None}
-    await _sse_send(resp, {"type": "response.created", "response": in_progress}, "response.created")
-    for tok in tokens:
+        await gen.wait()
+        return _json_response(final())
+
+    async def on_start(resp: web.StreamResponse) -> None:
+        in_progress = {**final(), "status": "in_progress", "output": [], "usage": None}
+        await _sse_send(
+            resp, {"type": "response.created", "response": in_progress}, "response.created"
+        )
+
+    async def on_token(resp: web.StreamResponse, i: int) -> None:
         await _sse_send(
             resp,
             {
@@ -475,57 +570,50 @@ async def responses(request: web.Request) -> web.StreamResponse:
                 "item_id": msg_id,
                 "output_index": 0,
                 "content_index": 0,
-                "delta": tok,
+                "delta": _token_text(i),
             },
             "response.output_text.delta",
         )
-    await _sse_send(resp, {"type": "response.completed", "response": final}, "response.completed")
-    await resp.write_eof()
-    return resp
+
+    async def on_end(resp: web.StreamResponse) -> web.StreamResponse:
+        await _sse_send(
+            resp, {"type": "response.completed", "response": final()}, "response.completed"
+        )
+        await resp.write_eof()
+        return resp
+
+    return await _stream_events(request, gen, on_start, on_token, on_end)
 
 
 async def models(request: web.Request) -> web.StreamResponse:
-    """GET /v1/models: the served model."""
+    """GET /v1/models: the served model, then each LoRA adapter (``parent`` = base)."""
     state = request.app[STATE_KEY]
-    return _json_response(
-        {
-            "object": "list",
-            "data": [
-                {
-                    "id": state.model,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "epp-sim",
-                    "root": state.model,
-                    "parent": None,
-                }
-            ],
+
+    def card(name: str, parent: str | None) -> Json:
+        return {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "epp-sim",
+            "root": name,
+            "parent": parent,
         }
-    )
+
+    data = [card(state.model, None)] + [card(n, state.model) for n in state.config.loras]
+    return _json_response({"object": "list", "data": data})
 
 
 async def health(request: web.Request) -> web.StreamResponse:
-    """GET /health: 200 with an empty body, like vLLM."""
+    """GET /health: 200 with an empty body, like vLLM; 503 during slow start."""
+    if request.app[STATE_KEY].engine.in_slow_start():
+        return web.Response(status=503, text="starting")
     return web.Response(status=200)
 
 
 async def metrics(request: web.Request) -> web.StreamResponse:
     """GET /metrics: Prometheus text with vLLM metric names."""
-    state = request.app[STATE_KEY]
-    label = '{model_name="' + state.model.replace("\\", "\\\\").replace('"', '\\"') + '"}'
-    kv = min(1.0, state.running / MAX_NUM_SEQS)
-    text = (
-        "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
-        "# TYPE vllm:num_requests_running gauge\n"
-        f"vllm:num_requests_running{label} {float(state.running)}\n"
-        "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
-        "# TYPE vllm:num_requests_waiting gauge\n"
-        f"vllm:num_requests_waiting{label} 0.0\n"
-        "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
-        "# TYPE vllm:kv_cache_usage_perc gauge\n"
-        f"vllm:kv_cache_usage_perc{label} {kv}\n"
-    )
-    return web.Response(body=text.encode(), headers={"Content-Type": _PROMETHEUS})
+    body = render(request.app[STATE_KEY].registry)
+    return web.Response(body=body, headers={"Content-Type": _PROMETHEUS})
 
 
 async def debug_requests(request: web.Request) -> web.StreamResponse:
@@ -539,19 +627,63 @@ async def debug_requests_clear(request: web.Request) -> web.StreamResponse:
     return web.Response(status=204)
 
 
+async def debug_state(request: web.Request) -> web.StreamResponse:
+    """GET /debug/state: name, model, role, parameters and the engine's state."""
+    state = request.app[STATE_KEY]
+    return _json_response(
+        {
+            "name": state.name,
+            "model": state.model,
+            "role": state.config.role,
+            "delay_s": state.delay_s,
+            "config": state.config.as_dict(),
+            "engine": state.engine.snapshot(),
+        }
+    )
+
+
 # ---------------------------------------------------------------- app and servers
 
 
-def build_app(name: str, model: str = DEFAULT_MODEL, *, delay_s: float = 0.0) -> web.Application:
-    """One simulated pod named ``name`` serving ``model``.
+def build_app(
+    name: str,
+    model: str = DEFAULT_MODEL,
+    *,
+    delay_s: float = 0.0,
+    config: SimConfig | None = None,
+) -> web.Application:
+    """One simulated pod named ``name`` serving ``model`` with ``config`` (defaults:
+    :class:`SimConfig`).
 
-    ``delay_s`` (>= 0) delays every POST before it is answered (the request counts as
-    running meanwhile). The app's state is at ``app[STATE_KEY]`` (:class:`SimState`).
+    ``delay_s`` (>= 0, wall-clock seconds, not scaled by ``time_scale``) delays every
+    POST before it reaches the engine; the request is not running or waiting meanwhile. The app's state is at
+    ``app[STATE_KEY]`` (:class:`SimState`); its engine starts with the app and stops on
+    shutdown, failing pending requests.
     """
     if delay_s < 0:
         raise ValueError(f"delay_s must be >= 0, got {delay_s}")
+    cfg = config if config is not None else SimConfig()
+    engine = Engine(cfg)
     app = web.Application(middlewares=[_track], client_max_size=1 << 30)
-    app[STATE_KEY] = SimState(name=name, model=model, delay_s=delay_s)
+    app[STATE_KEY] = SimState(
+        name=name,
+        model=model,
+        config=cfg,
+        engine=engine,
+        registry=build_registry(engine, model),
+        rng=random.Random(f"{cfg.seed}:{name}"),
+        delay_s=delay_s,
+    )
+
+    async def start_engine(_: web.Application) -> None:
+        engine.start()
+
+    async def stop_engine(_: web.Application) -> None:
+        await engine.stop()
+
+    app.on_startup.append(start_engine)
+    app.on_shutdown.append(stop_engine)
+    app.on_cleanup.append(stop_engine)
     app.on_response_prepare.append(_stamp)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -562,23 +694,29 @@ def build_app(name: str, model: str = DEFAULT_MODEL, *, delay_s: float = 0.0) ->
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/debug/requests", debug_requests)
     app.router.add_delete("/debug/requests", debug_requests_clear)
+    app.router.add_get("/debug/state", debug_state)
     return app
 
 
 async def start_servers(
-    host: str, ports: Sequence[int], model: str = DEFAULT_MODEL, *, delay_s: float = 0.0
+    host: str,
+    ports: Sequence[int],
+    model: str = DEFAULT_MODEL,
+    *,
+    delay_s: float = 0.0,
+    config: SimConfig | None = None,
 ) -> list[web.AppRunner]:
     """Start one app per port (named ``sim-<port>``) on ``host``; return their runners.
 
-    The caller owns the runners and must ``await runner.cleanup()`` each. If one port
-    cannot be bound, the ones already started are cleaned up and the OSError propagates.
+    Each app has its own engine with the same ``config``. The caller owns the runners
+    and must ``await runner.cleanup()`` each. If one port cannot be bound, the ones
+    already started are cleaned up and the OSError propagates.
     """
     runners: list[web.AppRunner] = []
     try:
         for port in ports:
-            runner = web.AppRunner(
-                build_app(f"sim-{port}", model, delay_s=delay_s), access_log=None
-            )
+            app = build_app(f"sim-{port}", model, delay_s=delay_s, config=config)
+            runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0)
             await runner.setup()
             runners.append(runner)
             await web.TCPSite(runner, host, port).start()
@@ -591,10 +729,15 @@ async def start_servers(
 
 @contextlib.asynccontextmanager
 async def serving(
-    host: str, ports: Sequence[int], model: str = DEFAULT_MODEL, *, delay_s: float = 0.0
+    host: str,
+    ports: Sequence[int],
+    model: str = DEFAULT_MODEL,
+    *,
+    delay_s: float = 0.0,
+    config: SimConfig | None = None,
 ) -> AsyncIterator[list[web.AppRunner]]:
     """``async with serving(...)``: :func:`start_servers`, cleaned up on exit."""
-    runners = await start_servers(host, ports, model, delay_s=delay_s)
+    runners = await start_servers(host, ports, model, delay_s=delay_s, config=config)
     try:
         yield runners
     finally:
@@ -603,43 +746,123 @@ async def serving(
 
 
 async def run_servers(
-    host: str, ports: list[int], model: str = DEFAULT_MODEL, *, delay_s: float = 0.0
+    host: str,
+    ports: list[int],
+    model: str = DEFAULT_MODEL,
+    *,
+    delay_s: float = 0.0,
+    config: SimConfig | None = None,
 ) -> None:
     """Serve one simulated pod per port in this process until cancelled."""
-    async with serving(host, ports, model, delay_s=delay_s):
+    cfg = config if config is not None else SimConfig()
+    async with serving(host, ports, model, delay_s=delay_s, config=cfg):
         print(
-            f"sim: serving model {model!r} on " + ", ".join(f"{host}:{p}" for p in ports),
+            f"sim: serving model {model!r} (role {cfg.role}) on "
+            + ", ".join(f"{host}:{p}" for p in ports),
             flush=True,
         )
         await asyncio.Event().wait()
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The ``epp sim`` argument parser (defaults from :class:`SimConfig`)."""
+    d = SimConfig()
+    p = argparse.ArgumentParser(
+        prog="epp sim",
+        description="vLLM-like OpenAI-compatible model-server simulator: one simulated pod "
+        "per --port, each with its own engine (continuous batching, chunked prefill, prefix "
+        "cache, LoRA slots). Durations are model milliseconds, multiplied by --time-scale. "
+        "See docs/simulator.md.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--port", type=int, action="append", required=True,
+        help="port to serve a simulated pod on (repeatable)",
+    )  # fmt: skip
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="served base model name")
+    p.add_argument("--role", choices=ROLES, default=d.role,
+                   help="prefill: answer with 1 token (P/D prefill pod); decode: price "
+                   "prompts with kv_transfer_params.do_remote_prefill as KV transfer")  # fmt: skip
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the random source")
+    p.add_argument("--delay-s", type=float, default=0.0,
+                   help="extra latency before every POST reaches the engine (seconds)")  # fmt: skip
+    g = p.add_argument_group("batching and KV cache")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                   help="most sequences running at once; the rest wait")  # fmt: skip
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="token budget per engine step (decode tokens + prefill chunks)")  # fmt: skip
+    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    g.add_argument("--num-gpu-blocks", type=int, default=d.num_gpu_blocks,
+                   help="KV cache capacity in blocks (running sequences + prefix cache)")  # fmt: skip
+    g = p.add_argument_group("step cost (model milliseconds)")
+    g.add_argument("--prefill-ms-per-token", type=float, default=d.prefill_ms_per_token,
+                   help="cost per uncached prompt token")  # fmt: skip
+    g.add_argument("--decode-base-ms", type=float, default=d.decode_base_ms,
+                   help="fixed cost of a step that decodes")  # fmt: skip
+    g.add_argument("--decode-per-seq-ms", type=float, default=d.decode_per_seq_ms,
+                   help="extra cost per decoding sequence in a step")  # fmt: skip
+    g.add_argument("--kv-transfer-ms-per-token", type=float, default=d.kv_transfer_ms_per_token,
+                   help="decode role: cost per prompt token pulled from a prefill pod")  # fmt: skip
+    g = p.add_argument_group("LoRA")
+    g.add_argument("--lora", action="append", default=[], metavar="NAME[,NAME...]",
+                   help="LoRA adapter served besides the base model (repeatable)")  # fmt: skip
+    g.add_argument("--max-loras", type=int, default=d.max_loras,
+                   help="adapter slots (distinct adapters running at once)")  # fmt: skip
+    g.add_argument("--lora-load-ms", type=float, default=d.lora_load_ms,
+                   help="added to a step per adapter loaded in it")  # fmt: skip
+    g = p.add_argument_group("failure injection and time")
+    g.add_argument("--error-rate", type=float, default=d.error_rate,
+                   help="probability that a valid request gets a 500")  # fmt: skip
+    g.add_argument("--slow-start-s", type=float, default=d.slow_start_s,
+                   help="after start, /health is 503 and steps are slower for this long "
+                   "(seconds, scaled by --time-scale)")  # fmt: skip
+    g.add_argument("--slow-start-factor", type=float, default=d.slow_start_factor,
+                   help="step-time multiplier during slow start")  # fmt: skip
+    g.add_argument("--time-scale", type=float, default=d.time_scale,
+                   help="multiplies every modeled duration (0: no waiting at all)")  # fmt: skip
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    """The :class:`SimConfig` of parsed ``epp sim`` arguments; ValueError if invalid."""
+    loras = tuple(n.strip() for arg in args.lora for n in arg.split(",") if n.strip())
+    return SimConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        num_gpu_blocks=args.num_gpu_blocks,
+        prefill_ms_per_token=args.prefill_ms_per_token,
+        decode_base_ms=args.decode_base_ms,
+        decode_per_seq_ms=args.decode_per_seq_ms,
+        kv_transfer_ms_per_token=args.kv_transfer_ms_per_token,
+        loras=loras,
+        max_loras=args.max_loras,
+        lora_load_ms=args.lora_load_ms,
+        role=args.role,
+        error_rate=args.error_rate,
+        slow_start_s=args.slow_start_s,
+        slow_start_factor=args.slow_start_factor,
+        time_scale=args.time_scale,
+        seed=args.seed,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m epp.sim.server --port 8001 --port 8002 [--model M] [--host H] [--delay-s S]``.
+    """``epp sim --port 8001 --port 8002 [--model M] [--host H] [model options]``
+    (also ``python -m epp.sim.server``).
 
     Runs until SIGINT or SIGTERM, then shuts the servers down cleanly; returns 0.
+    Invalid options exit with status 2 and a message, like any argparse error.
     """
-    parser = argparse.ArgumentParser(
-        prog="python -m epp.sim.server", description="OpenAI-compatible model-server simulator"
-    )
-    parser.add_argument(
-        "--port",
-        type=int,
-        action="append",
-        required=True,
-        help="port to serve a simulated pod on (repeatable)",
-    )
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument(
-        "--delay-s",
-        type=float,
-        default=0.0,
-        help="artificial latency added to every POST (seconds)",
-    )
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.delay_s < 0:
         parser.error("--delay-s must be >= 0")
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
 
     async def _run() -> None:
         task = asyncio.current_task()
@@ -648,7 +871,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, task.cancel)
         with contextlib.suppress(asyncio.CancelledError):
-            await run_servers(args.host, args.port, args.model, delay_s=args.delay_s)
+            await run_servers(args.host, args.port, args.model, delay_s=args.delay_s, config=config)
 
     asyncio.run(_run())
     return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import signal
 import socket
 import time
@@ -19,17 +20,37 @@ from typing import IO, Self
 __all__ = ["ManagedProcess", "free_port", "wait_port"]
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """Return a TCP port that was free on ``host`` a moment ago.
 
-    Binds ``(host, 0)``, reads the port the kernel chose and closes the socket. Another
-    process may take the port before the caller binds it; callers that need certainty
-    must retry on ``EADDRINUSE``.
+    Ports are drawn at random from *below* the kernel's ephemeral range (10000 up to its
+    start), so the outgoing connections every process keeps opening (scrapers, clients)
+    cannot take a port between this call and the caller's bind — with ``bind(0)`` they
+    could, and did. Another process may still bind the port first; callers that need
+    certainty must retry on ``EADDRINUSE``.
     """
+    lo, _ = _ephemeral_range()
+    top = max(lo - 1, 11000)
+    for _ in range(200):
+        port = random.randint(10000, top)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+        fallback: int = sock.getsockname()[1]
+        return fallback
 
 
 async def wait_port(host: str, port: int, timeout: float = 10.0) -> None:

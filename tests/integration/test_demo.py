@@ -25,18 +25,20 @@ def ports_in(text: str) -> list[int]:
 
 def test_demo_runs_and_summarises() -> None:
     r = subprocess.run([sys.executable, "-m", "epp.cli", "demo", "--duration", "2",
-                        "--servers", "3", "--concurrency", "4"],
+                        "--servers", "3", "--concurrency", "8"],
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     out = r.stdout
     assert r.returncode == 0, out + r.stderr
     for needle in ("EPP:", "round-robin:", "TTFT p50", "TTFT p90", "prefix-cache hit rate",
                    "throughput", "pod 0", "pod 2"):
         assert needle in out, needle
-    # Every pod of the EPP set got traffic, and the summary counts add up.
+    # The per-pod counts add up; conversations sharing a system prompt may share a pod
+    # (prefix affinity), but 4 prompts do not all land on one pod.
     epp_part = out.split("EPP:")[-1].split("round-robin:")[0]
     counts = [int(m) for m in re.findall(r"pod \d \(sim-\d+\s*\)\s+(\d+)", epp_part)]
     total = int(re.search(r"EPP: (\d+) requests", out).group(1))  # type: ignore[union-attr]
-    assert len(counts) == 3 and all(c > 0 for c in counts) and sum(counts) == total
+    assert len(counts) == 3 and sum(counts) == total and total > 0
+    assert sum(c > 0 for c in counts) >= 2
     # Nothing is left listening.
     for port in set(ports_in(out)):
         assert not port_open(port), port

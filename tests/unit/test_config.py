@@ -30,13 +30,34 @@ REPO = Path(__file__).resolve().parents[2]
 SRC = "under-test.yaml"
 FIXTURE = "tests.unit.plugin_fixture"
 BUILTIN_TYPES = [
+    "active-request-scorer",
+    "always-disagg-pd-decider",
     "approx-prefix-cache-producer",
+    "by-label-selector",
+    "decode-filter",
+    "disagg-headers-handler",
+    "disagg-profile-handler",
+    "inflight-load-producer",
     "kv-cache-utilization-scorer",
+    "label-selector-filter",
+    "load-aware-scorer",
+    "lora-affinity-scorer",
     "max-score-picker",
+    "no-hit-lru-scorer",
+    "pd-profile-handler",
+    "prefill-filter",
+    "prefill-header-handler",
+    "prefix-based-pd-decider",
     "prefix-cache-scorer",
     "queue-scorer",
     "random-picker",
+    "running-requests-size-scorer",
+    "session-affinity-scorer",
     "single-profile-handler",
+    "token-load-scorer",
+    "topology-affinity-scorer",
+    "utilization-detector",
+    "weighted-random-picker",
 ]
 
 

@@ -102,3 +102,21 @@ async def test_usage_recorded_and_running_requests_balanced() -> None:
     assert sample(d, "inference_objective_output_tokens_sum") == 3
     assert sample(d, "inference_objective_prompt_cached_tokens_sum") == 4
     assert sample(d, "inference_objective_request_duration_seconds_count") == 1
+
+
+async def test_session_affinity_token_round_trip() -> None:
+    from pathlib import Path
+
+    store = Datastore()
+    store.set_endpoints(Endpoint(f"p{i}", f"10.0.0.{i}", 8000, namespace="ns")
+                        for i in range(1, 5))
+    built = load_and_build(str(Path(__file__).resolve().parents[2] / "config" / "session.yaml"))
+    d = Director(store, built.scheduler, EppMetrics(store), built.pre_request,
+                 built.response_complete, built.request_headers, built.response_headers)
+    r = await d.route(H, CHAT, True, None)
+    extra = d.on_response_headers(r.context, 200, {"content-type": "application/json"})
+    assert extra is not None and "x-session-token" in extra
+    token = extra["x-session-token"]
+    for _ in range(10):
+        r2 = await d.route({**H, "x-session-token": token}, CHAT, True, None)
+        assert r2.destination == r.destination

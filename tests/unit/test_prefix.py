@@ -181,5 +181,56 @@ def test_default_config_routes_repeat_prompts_to_the_same_endpoint() -> None:
         result = built.scheduler.schedule(r, e)
         for p in built.pre_request:
             p.pre_request(r, result)
-        chosen.add(result.primary.endpoints[0].key)
+        key = result.primary.endpoints[0].key
+        chosen.add(key)
+        for p in built.response_complete:  # sequential: each finishes before the next
+            p.response_complete(r, key, False)
     assert len(chosen) == 1
+
+
+def test_balance_guard_spreads_a_shared_prompt_under_load() -> None:
+    """The hot-spot trap: one shared prompt, many concurrent requests."""
+    built = load_and_build()
+    e = eps(4)
+    prompt = "one system prompt shared by all traffic " * 40
+    placed: dict[str, int] = {}
+    for _ in range(40):  # 40 concurrent requests, none finishes
+        r = req(prompt)
+        result = built.scheduler.schedule(r, e)
+        for p in built.pre_request:
+            p.pre_request(r, result)
+        key = result.primary.endpoints[0].key
+        placed[key] = placed.get(key, 0) + 1
+    assert len(placed) == 4
+    # No pod exceeds the least loaded by more than balanceAbsThreshold (4) + 1.
+    assert max(placed.values()) - min(placed.values()) <= 5
+
+
+def test_balance_guard_off_piles_onto_one_pod() -> None:
+    prod = ApproxPrefixCacheProducer("prod", balance_abs_threshold=0)
+    scorer = PrefixCacheScorer("s")
+    scorer.producer = prod
+    e = eps(3)
+    r = req("shared " * 100)
+    for _ in range(20):
+        went_to(prod, req(r.prompt), e[0])
+    assert scorer.score(CycleState(), req(r.prompt), e)[0] == 1.0
+
+
+def test_balance_guard_uses_inflight_and_scraped_load() -> None:
+    prod = ApproxPrefixCacheProducer("prod", balance_abs_threshold=2, balance_rel_threshold=1.5)
+    e = eps(3)
+    prod.inflight = {e[0].key: 3}
+    assert prod.hot(e) == {e[0].key}           # 3 > max(0 + 2, 0 * 1.5)
+    prod.inflight = {e[0].key: 2}
+    assert prod.hot(e) == set()                # 2 is not > 2
+    x = Endpoint("x", "10.0.1.1", 8000, metrics=Metrics(waiting_queue_size=4, running_requests=4))
+    y = Endpoint("y", "10.0.1.2", 8000, metrics=Metrics(running_requests=5))
+    assert prod.hot([x, y]) == {"10.0.1.1:8000"}   # 8 > max(5 + 2, 7.5)
+    y2 = Endpoint("y", "10.0.1.2", 8000, metrics=Metrics(running_requests=6))
+    assert prod.hot([x, y2]) == set()              # 8 is not > max(6 + 2, 9)
+    r = req("q" * 200)
+    went_to(prod, r, e[1])
+    assert prod.inflight[e[1].key] == 1
+    prod.response_complete(r, e[1].key, aborted=True)
+    assert e[1].key not in prod.inflight       # aborts release too

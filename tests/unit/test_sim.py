@@ -1,4 +1,5 @@
-"""The model-server simulator (epp.sim.server): OpenAI routes, SSE, usage, metrics, debug log."""
+"""The model-server simulator's HTTP surface (epp.sim.server): OpenAI routes, SSE, usage,
+metrics, debug log, CLI. The latency model is checked in test_sim_model.py."""
 
 from __future__ import annotations
 
@@ -15,12 +16,16 @@ import orjson
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from epp.sim.config import SimConfig
 from epp.sim.server import (
     DEBUG_LOG_SIZE,
     DEFAULT_MAX_TOKENS,
     SIM_SERVER_HEADER,
     STATE_KEY,
     build_app,
+    build_parser,
+    config_from_args,
+    main,
     serving,
 )
 from epp.stack.procs import ManagedProcess, free_port, wait_port
@@ -28,9 +33,12 @@ from epp.stack.procs import ManagedProcess, free_port, wait_port
 MODEL = "test-model"
 
 
+FAST = SimConfig(time_scale=0.0)  # the API's shape, not its timing (test_sim_model.py)
+
+
 @pytest.fixture
 async def client() -> AsyncIterator[TestClient[Any, Any]]:
-    async with TestClient(TestServer(build_app("sim-a", MODEL))) as c:
+    async with TestClient(TestServer(build_app("sim-a", MODEL, config=FAST))) as c:
         yield c
 
 
@@ -269,26 +277,52 @@ def _gauge(text: str, name: str) -> float:
     raise AssertionError(f"{name} missing from metrics")
 
 
-async def test_metrics_count_in_flight_requests() -> None:
-    async with TestClient(TestServer(build_app("sim-slow", MODEL, delay_s=0.5))) as c:
+async def test_metrics_count_running_requests() -> None:
+    slow = SimConfig(decode_base_ms=20.0, decode_per_seq_ms=0.0)
+    async with TestClient(TestServer(build_app("sim-slow", MODEL, config=slow))) as c:
 
-        async def running() -> float:
+        async def gauges() -> tuple[float, float, float]:
             text = await (await c.get("/metrics")).text()
-            assert _gauge(text, "vllm:num_requests_waiting") == 0.0
-            _gauge(text, "vllm:kv_cache_usage_perc")
-            return _gauge(text, "vllm:num_requests_running")
+            return (
+                _gauge(text, "vllm:num_requests_running"),
+                _gauge(text, "vllm:num_requests_waiting"),
+                _gauge(text, "vllm:kv_cache_usage_perc"),
+            )
 
-        assert await running() == 0.0
+        assert await gauges() == (0.0, 0.0, 0.0)
+        task = asyncio.create_task(
+            c.post("/v1/completions", json={"prompt": "p q r", "max_tokens": 10})
+        )
+
+        async def running() -> bool:
+            return (await gauges())[0] == 1.0
+
+        await _wait_for(running)  # 10 steps of 20 ms: observable while it decodes
+        _, waiting, kv = await gauges()
+        assert waiting == 0.0 and kv > 0.0
+        resp = await task
+        assert resp.status == 200
+        assert await gauges() == (0.0, 0.0, 0.0)
+
+
+async def test_delay_s_is_recorded_first_and_delays_the_answer() -> None:
+    app = build_app("sim-delay", MODEL, delay_s=0.2, config=FAST)
+    async with TestClient(TestServer(app)) as c:
+        t0 = time.monotonic()
         task = asyncio.create_task(c.post("/v1/completions", json={"prompt": "p"}))
 
         async def recorded() -> bool:
             return len(await (await c.get("/debug/requests")).json()) == 1
 
-        await _wait_for(recorded)  # recorded and counted before the delay starts
-        assert await running() == 1.0
-        resp = await task
-        assert resp.status == 200
-        assert await running() == 0.0
+        await _wait_for(recorded)  # recorded before the delay starts
+        assert not task.done()
+        assert (await task).status == 200
+        assert time.monotonic() - t0 >= 0.19
+
+
+def test_build_app_rejects_negative_delay() -> None:
+    with pytest.raises(ValueError, match="delay_s"):
+        build_app("x", MODEL, delay_s=-1)
 
 
 # ---------------------------------------------------------------- real ports, CLI
@@ -317,3 +351,88 @@ async def test_module_entry_point(tmp_path: Path) -> None:
             assert resp.status == 200
             assert resp.headers[SIM_SERVER_HEADER] == f"sim-{port}"
     assert proc.returncode == 0, proc.log_tail()  # SIGTERM shuts it down cleanly
+
+
+async def test_cli_entry_point_with_model_options(tmp_path: Path) -> None:
+    port = free_port()
+    argv = [sys.executable, "-m", "epp.cli", "sim", "--port", str(port)]
+    argv += "--role prefill --lora ad-1,ad-2 --max-loras 2 --seed 3 --time-scale 0".split()
+    proc = ManagedProcess(argv, log_path=tmp_path / "sim.log")
+    async with proc:
+        await wait_port("127.0.0.1", port, timeout=15)
+        base = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession() as session:
+            async with session.get(base + "/v1/models") as resp:
+                ids = [m["id"] for m in (await resp.json())["data"]]
+            assert ids == ["sim-model", "ad-1", "ad-2"]
+            async with session.post(
+                base + "/v1/completions", json={"prompt": "a b", "max_tokens": 9}
+            ) as resp:
+                assert (await resp.json())["usage"]["completion_tokens"] == 1  # prefill role
+            async with session.get(base + "/debug/state") as resp:
+                state = await resp.json()
+            assert state["name"] == f"sim-{port}" and state["role"] == "prefill"
+            assert state["config"]["seed"] == 3 and state["config"]["max_loras"] == 2
+    assert proc.returncode == 0, proc.log_tail()
+
+
+def test_cli_options_map_onto_the_config() -> None:
+    args = build_parser().parse_args(
+        (
+            "--port 1 --max-num-seqs 4 --max-num-batched-tokens 128 --block-size 8"
+            " --num-gpu-blocks 64 --prefill-ms-per-token 0.5 --decode-base-ms 7"
+            " --decode-per-seq-ms 0.5 --kv-transfer-ms-per-token 0.01 --lora a --lora b,c"
+            " --max-loras 2 --lora-load-ms 3 --role decode --error-rate 0.1 --slow-start-s 2"
+            " --slow-start-factor 5 --time-scale 0.1 --seed 9"
+        ).split()
+    )
+    cfg = config_from_args(args)
+    assert cfg == SimConfig(
+        max_num_seqs=4,
+        max_num_batched_tokens=128,
+        block_size=8,
+        num_gpu_blocks=64,
+        prefill_ms_per_token=0.5,
+        decode_base_ms=7,
+        decode_per_seq_ms=0.5,
+        kv_transfer_ms_per_token=0.01,
+        loras=("a", "b", "c"),
+        max_loras=2,
+        lora_load_ms=3,
+        role="decode",
+        error_rate=0.1,
+        slow_start_s=2,
+        slow_start_factor=5,
+        time_scale=0.1,
+        seed=9,
+    )
+    assert config_from_args(build_parser().parse_args(["--port", "1"])) == SimConfig()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--port", "1", "--error-rate", "2"],
+        ["--port", "1", "--delay-s", "-1"],
+        ["--port", "1", "--role", "x"],
+        [],
+    ],
+)
+def test_cli_rejects_bad_options(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+async def test_models_lists_adapters_and_debug_state(client: TestClient[Any, Any]) -> None:
+    state = await (await client.get("/debug/state")).json()
+    assert state["name"] == "sim-a" and state["model"] == MODEL and state["role"] == "both"
+    assert state["engine"]["running"] == 0 and state["config"]["time_scale"] == 0.0
+    async with TestClient(
+        TestServer(build_app("sim-l", MODEL, config=SimConfig(loras=("x",), time_scale=0)))
+    ) as c:
+        data = (await (await c.get("/v1/models")).json())["data"]
+        assert [(m["id"], m["parent"]) for m in data] == [(MODEL, None), ("x", MODEL)]
+        resp = await c.post("/v1/completions", json={"model": "x", "prompt": "a", "max_tokens": 2})
+        assert (await resp.json())["model"] == "x"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Sequence
 
@@ -53,3 +54,30 @@ class RandomPicker(_PickerBase):
     def pick(self, state: CycleState, scored: Sequence[ScoredEndpoint]) -> ProfileRunResult:
         k = min(self.max_num_of_endpoints, len(scored))
         return self._result(self._rng.sample(list(scored), k))
+
+
+class WeightedRandomPicker(_PickerBase):
+    """Random endpoints, each drawn with probability proportional to its total score.
+
+    A-Res weighted sampling without replacement: each endpoint with score ``w > 0`` gets
+    the key ``U^(1/w)`` (``U`` uniform in (0, 1]), and the ``maxNumOfEndpoints`` largest
+    keys win (compared as ``log(U) / w``, which orders the same and never underflows).
+    Endpoints scoring 0 are picked only when fewer positive ones remain (at random among
+    themselves); when every score is 0 the pick is uniformly random.
+    """
+
+    type_name = "weighted-random-picker"
+
+    def pick(self, state: CycleState, scored: Sequence[ScoredEndpoint]) -> ProfileRunResult:
+        items = list(scored)
+        self._rng.shuffle(items)  # random order among the zero-score endpoints
+        rng = self._rng
+        keyed: list[tuple[float, ScoredEndpoint]] = []
+        for s in items:
+            if s.score > 0.0:
+                u = 1.0 - rng.random()  # (0, 1]
+                keyed.append((math.log(u) / s.score, s))
+            else:
+                keyed.append((-math.inf, s))
+        keyed.sort(key=lambda t: t[0], reverse=True)
+        return self._result([s for _, s in keyed[: self.max_num_of_endpoints]])

@@ -6,6 +6,15 @@ into matched / total blocks. After the Director's decision the producer records 
 blocks for the endpoint the request actually goes to (the primary; fallbacks not taken
 are not recorded), and it forgets endpoints that leave the pool.
 
+Balance guard (against the hot-spot failure mode: one shared system prompt pulling all
+traffic onto the pod that cached it first). The producer counts the requests this EPP has
+in flight per endpoint (+1 when routed, −1 when the response ends or aborts). An endpoint
+is *hot* when its load — the larger of that count and its scraped waiting + running
+requests — exceeds the least-loaded candidate's by more than ``balanceAbsThreshold`` and
+is above ``balanceRelThreshold`` × that minimum; a hot endpoint's prefix score is 0, so
+the load scorers decide. ``balanceAbsThreshold: 0`` turns the guard off. (The same idea
+as sglang-router's cache-aware balance thresholds, applied per endpoint.)
+
 A config may declare the producer explicitly (its parameters tune the index) or only the
 scorer: the scorer then creates its own producer from the same parameters (GIE's
 ``prefix-cache-scorer`` takes them directly; ``hashBlockSize`` is GIE's older name for the
@@ -31,7 +40,8 @@ class ApproxPrefixCacheProducer:
 
     def __init__(self, name: str, block_size_tokens: int = 16, max_blocks: int = 256,
                  lru_capacity_per_server: int = 31_250, auto_tune: bool = True,
-                 block_chars: int | None = None) -> None:
+                 block_chars: int | None = None, balance_abs_threshold: int = 4,
+                 balance_rel_threshold: float = 1.5) -> None:
         self.name = name
         self.block_size_tokens = block_size_tokens
         self.block_chars = block_chars or block_size_tokens * CHARS_PER_TOKEN
@@ -39,6 +49,9 @@ class ApproxPrefixCacheProducer:
         self.auto_tune = auto_tune
         self.index = PrefixIndex(lru_capacity_per_server)
         self._tuned: dict[str, tuple[int, int]] = {}
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        self.inflight: dict[str, int] = {}
 
     @staticmethod
     def read_params(params: Params) -> dict[str, object]:
@@ -49,6 +62,8 @@ class ApproxPrefixCacheProducer:
             lru_capacity_per_server=params.int("lruCapacityPerServer", 31_250, minimum=1),
             auto_tune=params.bool("autoTune", True),
             block_chars=block_chars,
+            balance_abs_threshold=params.int("balanceAbsThreshold", 4, minimum=0),
+            balance_rel_threshold=params.float("balanceRelThreshold", 1.5, minimum=1.0),
         )
 
     @classmethod
@@ -94,14 +109,36 @@ class ApproxPrefixCacheProducer:
         state[key] = (endpoints, len(hashes), matched)  # type: ignore[index]
         return len(hashes), matched
 
+    def hot(self, endpoints: Sequence[Endpoint]) -> set[str]:
+        """Keys of candidates loaded far above the least-loaded one (see module doc)."""
+        if self.balance_abs_threshold <= 0 or len(endpoints) < 2:
+            return set()
+        inflight = self.inflight
+        loads = [max(inflight.get(e.key, 0),
+                     e.metrics.waiting_queue_size + e.metrics.running_requests)
+                 for e in endpoints]
+        low = min(loads)
+        limit = max(low + self.balance_abs_threshold, low * self.balance_rel_threshold)
+        return {e.key for e, load in zip(endpoints, loads) if load > limit}
+
     def pre_request(self, request: LLMRequest, result: SchedulingResult) -> None:
+        key = result.primary.endpoints[0].key
+        self.inflight[key] = self.inflight.get(key, 0) + 1
         hashes = self.hashes(request)
         if hashes:
-            self.index.add(result.primary.endpoints[0].key, hashes)
+            self.index.add(key, hashes)
+
+    def response_complete(self, request: LLMRequest, endpoint_key: str, aborted: bool) -> None:
+        n = self.inflight.get(endpoint_key, 0) - 1
+        if n > 0:
+            self.inflight[endpoint_key] = n
+        else:
+            self.inflight.pop(endpoint_key, None)
 
     def endpoint_removed(self, key: str) -> None:
         self.index.remove_endpoint(key)
         self._tuned.pop(key, None)
+        self.inflight.pop(key, None)
 
 
 class PrefixCacheScorer:
@@ -118,7 +155,7 @@ class PrefixCacheScorer:
     def from_params(cls, name: str, params: Params, handle: PluginHandle) -> "PrefixCacheScorer":
         given = any(params.raw(k) is not None for k in (
             "hashBlockSize", "blockSizeTokens", "maxPrefixBlocksToMatch",
-            "lruCapacityPerServer", "autoTune"))
+            "lruCapacityPerServer", "autoTune", "balanceAbsThreshold", "balanceRelThreshold"))
         kw = ApproxPrefixCacheProducer.read_params(params)
         params.done()
         return cls(name, kw if given else None)
@@ -146,4 +183,5 @@ class PrefixCacheScorer:
         total, matched = self.producer.match(state, request, endpoints)
         if not total:
             return [0.0] * len(endpoints)
-        return [matched.get(e.key, 0) / total for e in endpoints]
+        hot = self.producer.hot(endpoints)
+        return [0.0 if e.key in hot else matched.get(e.key, 0) / total for e in endpoints]

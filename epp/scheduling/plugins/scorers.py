@@ -48,3 +48,21 @@ class KVCacheUtilizationScorer(_NoParams):
             u = e.metrics.kv_cache_usage
             out.append(1.0 - (0.0 if u < 0.0 else 1.0 if u > 1.0 else u))
         return out
+
+
+class RunningRequestsSizeScorer(_NoParams):
+    """Fewer running requests scores higher: (max − r) / (max − min) over the candidates'
+    running-request counts (GIE / llm-d ``running-requests-size-scorer``); 1 for all when
+    they are equal. Normalized like :class:`QueueScorer`: relative to this cycle's
+    candidates, and endpoints never scraped count as 0 running."""
+
+    type_name = "running-requests-size-scorer"
+
+    def score(self, state: CycleState, request: LLMRequest,
+              endpoints: Sequence[Endpoint]) -> Sequence[float]:
+        running = [e.metrics.running_requests for e in endpoints]
+        lo, hi = min(running), max(running)
+        if hi == lo:
+            return [1.0] * len(running)
+        span = hi - lo
+        return [(hi - r) / span for r in running]

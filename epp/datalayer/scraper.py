@@ -1,0 +1,508 @@
+"""The metrics scraper: one asyncio task per endpoint polling its Prometheus ``/metrics``.
+
+Lifecycle: :meth:`MetricsScraper.start` (from inside the running loop) starts a task for
+every endpoint in the datastore and subscribes to additions and removals, so tasks follow
+discovery; ``await`` :meth:`MetricsScraper.stop` cancels and awaits every task and closes
+the shared ``aiohttp.ClientSession``. No threads.
+
+Per poll: ``GET {scheme}://{address}:{port}{path}`` (port = the endpoint's unless
+overridden) under a shared concurrency semaphore and a per-poll timeout; the body is
+read through :class:`epp.datalayer.promparse.SampleIndex` (only the lines of the metric
+names the endpoint engine's mapping asks for are tokenized; unchanged lines hit a line
+cache) and mapped by the endpoint's :class:`~epp.datalayer.engines.EngineMapping`.
+A scrape that succeeds but lacks a required signal (waiting, running, KV usage) is a
+partial success, as in GIE: the found values are used, the missing ones keep their
+previous values, and the gap is logged. Polls of one endpoint are spaced ``interval``
+apart start to start, ±10 % (a slow poll delays the next one; missed ticks are not
+replayed); each endpoint starts at a random phase, and re-phases randomly after falling
+behind, so 200 endpoints never fire in one burst.
+
+Failures and staleness: an error (connect failure, timeout, non-200, malformed text) is
+logged when it differs from the endpoint's previous error — not once per poll — and a
+recovery is logged once. A failing endpoint is polled less often (the interval doubles
+per consecutive failure, up to the ceiling below) so dead pods do not crowd out live
+ones. An endpoint keeps its last values; once its last successful scrape is older than
+``staleness_threshold_s`` (checked on every failed poll and by a sweeper every
+``sweep_period_s``, so also while a poll hangs) its metrics are re-published with
+``stale=True``. An endpoint is never dropped by the scraper.
+
+Datastore writes and the scheduler's snapshot — the cost model. Every
+``Datastore.update_metrics`` replaces an Endpoint and invalidates the cached snapshot the
+Director hands the scheduler; 200 endpoints at 50 ms would do that 4,000 times a second
+and make every scheduling cycle rebuild it. Two measures bound it:
+
+1. *Write only what matters.* A scrape is written when a value changed or the ``stale``
+   flag flips. When nothing changed, the write that refreshes ``Metrics.updated_at`` is
+   skipped unless the stored stamp is older than ``freshness_resolution_s`` (default
+   ``min(2 × interval, threshold / 4)``, 100 ms at the defaults). So an idle pool costs a
+   write per endpoint per resolution, not per poll, and ``updated_at`` under-states
+   freshness by at most that resolution (consumers wanting an exact age use
+   :meth:`last_success`; ``stale`` is exact to the sweep period).
+2. *Coalesce.* Writes are staged and applied together by
+   ``Datastore.update_metrics_many`` at most every ``commit_interval_s`` (default 10 ms):
+   the scraper invalidates the snapshot at most 100 times a second whatever the pool
+   size, at the price of up to 10 ms of extra signal delay.
+
+Never starve the loop. Scraping is background work sharing the loop that answers Envoy.
+With ``max_loop_lag_s`` set (default 2 ms), a probe measures how late a 10 ms timer
+fires; when the mean lateness over half a second is above the target the effective
+interval is stretched (×1.5, up to ``max_interval_s``, default ``threshold / 4``) and it
+creeps back (×0.9) once the lag is under half the target. The scraper thus uses what the loop can spare, and
+:attr:`effective_interval` and the exported gauges say what it achieved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import ssl
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Coroutine, Iterable
+
+import aiohttp
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+from yarl import URL
+
+from epp.datalayer import promparse
+from epp.datalayer.engines import EngineMapping, EngineMappings, Extracted
+from epp.datastore.store import Datastore, Unsubscribe
+from epp.errors import ConfigError
+from epp.scheduling.types import NO_METRICS, Endpoint, Metrics
+
+log = logging.getLogger(__name__)
+
+_ACCEPT = "text/plain;version=0.0.4;q=1,*/*;q=0.1"
+
+
+@dataclass(frozen=True)
+class ScrapeOptions:
+    """Scraper settings (the ``--model-server-metrics-*`` / ``--refresh-metrics-interval``
+    / ``--metrics-staleness-threshold`` flags). All durations in seconds."""
+
+    interval_s: float = 0.05
+    timeout_s: float = 1.0
+    staleness_threshold_s: float = 2.0
+    scheme: str = "http"
+    path: str = "/metrics"
+    port: int | None = None
+    insecure_skip_verify: bool = True
+    max_concurrency: int = 64
+    commit_interval_s: float = 0.01
+    freshness_resolution_s: float | None = None
+    max_body_bytes: int = 16 << 20
+    max_loop_lag_s: float | None = 0.002
+    max_interval_s: float | None = None
+    lag_probe_period_s: float = 0.01
+
+    def validate(self) -> ScrapeOptions:
+        """Return self; raise :class:`ConfigError` on a nonsensical value."""
+        if not self.interval_s > 0:
+            raise ConfigError(f"--refresh-metrics-interval must be > 0, got {self.interval_s}")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"metrics scrape timeout must be > 0, got {self.timeout_s}")
+        if not self.staleness_threshold_s > 0:
+            raise ConfigError("--metrics-staleness-threshold must be > 0, got "
+                              f"{self.staleness_threshold_s}")
+        if self.scheme not in ("http", "https"):
+            raise ConfigError(f"--model-server-metrics-scheme must be http or https, got "
+                              f"{self.scheme!r}")
+        if not self.path.startswith("/"):
+            raise ConfigError(f"--model-server-metrics-path must start with '/', got "
+                              f"{self.path!r}")
+        if self.port is not None and not 0 < self.port < 65536:
+            raise ConfigError(f"--model-server-metrics-port must be 1..65535, got {self.port}")
+        if self.max_concurrency < 1:
+            raise ConfigError(f"max scrape concurrency must be >= 1, got {self.max_concurrency}")
+        if self.commit_interval_s < 0:
+            raise ConfigError(f"commit interval must be >= 0, got {self.commit_interval_s}")
+        if self.max_loop_lag_s is not None and not self.max_loop_lag_s > 0:
+            raise ConfigError(f"max loop lag must be > 0, got {self.max_loop_lag_s}")
+        return self
+
+    @property
+    def resolution_s(self) -> float:
+        if self.freshness_resolution_s is not None:
+            return self.freshness_resolution_s
+        return min(2 * self.interval_s, self.staleness_threshold_s / 4)
+
+    @property
+    def ceiling_s(self) -> float:
+        """The longest effective interval load shedding may stretch to."""
+        if self.max_interval_s is not None:
+            return max(self.interval_s, self.max_interval_s)
+        return max(self.interval_s, self.staleness_threshold_s / 4)
+
+    @property
+    def sweep_period_s(self) -> float:
+        return max(self.interval_s, min(self.staleness_threshold_s / 8, 0.25))
+
+
+class _ScrapeFailure(Exception):
+    """A poll failed in an expected way; the message is what gets logged."""
+
+
+@dataclass(eq=False)
+class _EndpointState:
+    key: str
+    url: URL
+    added_at: float
+    metrics: Metrics = NO_METRICS  # the last Metrics this scraper staged (mirrors the store)
+    values: tuple[object, ...] | None = None
+    last_success: float | None = None
+    problem: str | None = None
+    failures: int = 0
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+
+class _LagGovernor:
+    """Stretches the scrape interval while the event loop runs late (see module doc).
+
+    Every ``period`` it sleeps ``period`` and records how late it woke; every ``window``
+    seconds it compares the *mean* lateness with ``target`` (the mean, not the max, so
+    one GC pause or a noisy neighbour does not halve the scrape rate): above it, the
+    interval grows ×1.5 (at most ``ceiling``); under half of it, the interval shrinks
+    ×0.9 (at least ``base``). Multiplicative both ways: it backs off fast and returns
+    slowly, so it settles where the loop keeps its target headroom.
+    """
+
+    def __init__(self, base: float, ceiling: float, target: float, period: float,
+                 window: float = 0.5) -> None:
+        self.base = base
+        self.ceiling = ceiling
+        self.target = target
+        self.period = period
+        self.window = window
+        self.interval = base
+        self.last_lag = 0.0
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        window_start = loop.time()
+        total, count = 0.0, 0
+        while True:
+            t0 = loop.time()
+            await asyncio.sleep(self.period)
+            now = loop.time()
+            total += max(0.0, now - t0 - self.period)
+            count += 1
+            if now - window_start >= self.window:
+                self.adjust(total / count)
+                window_start, total, count = now, 0.0, 0
+
+    def adjust(self, mean_lag: float) -> None:
+        self.last_lag = mean_lag
+        old = self.interval
+        if mean_lag > self.target:
+            self.interval = min(self.ceiling, self.interval * 1.5)
+        elif mean_lag < self.target / 2 and self.interval > self.base:
+            self.interval = max(self.base, self.interval * 0.9)
+        if self.interval != old and (self.interval == self.ceiling or self.interval == self.base):
+            log.info("metrics scrape interval now %.0f ms (mean loop lag %.1f ms, target "
+                     "%.1f ms)", self.interval * 1e3, mean_lag * 1e3, self.target * 1e3)
+
+
+class MetricsScraper:
+    """Keeps every endpoint's :class:`Metrics` in ``store`` fresh. See the module doc."""
+
+    def __init__(self, store: Datastore, options: ScrapeOptions | None = None,
+                 engines: EngineMappings | None = None, *, seed: int | None = None) -> None:
+        self.options = (options or ScrapeOptions()).validate()
+        self._store = store
+        self._engines = engines or EngineMappings()
+        self._rng = random.Random(seed)
+        self._states: dict[str, _EndpointState] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._pending: dict[str, Metrics] = {}
+        # Parsed sample lines by text, shared by all endpoints (see SampleIndex).
+        self._line_cache: dict[str, promparse.Sample] = {}
+        self._commit_handle: asyncio.TimerHandle | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._sem = asyncio.Semaphore(self.options.max_concurrency)
+        self._unsubscribe: list[Unsubscribe] = []
+        self._ssl: ssl.SSLContext | bool | None = None
+        o = self.options
+        self._governor = (_LagGovernor(o.interval_s, o.ceiling_s, o.max_loop_lag_s,
+                                       o.lag_probe_period_s)
+                          if o.max_loop_lag_s is not None else None)
+        self._started = False
+        self._stopped = False
+        # Counters for the exported metrics and the benchmarks.
+        self.scrapes_ok = 0
+        self.scrapes_failed = 0
+        self.commits = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Start polling every endpoint now in the store and follow additions/removals.
+
+        Must be called from inside the running event loop; call once.
+        """
+        if self._started:
+            raise RuntimeError("MetricsScraper.start() called twice")
+        self._started = True
+        o = self.options
+        if o.scheme == "https":
+            self._ssl = False if o.insecure_skip_verify else ssl.create_default_context()
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, ssl=self._ssl or False,
+                                           keepalive_timeout=30.0),
+            headers={"Accept": _ACCEPT, "Accept-Encoding": "identity"},
+            auto_decompress=True,
+            skip_auto_headers=("User-Agent",),
+        )
+        self._unsubscribe = [self._store.on_added(self._add), self._store.on_removed(self._remove)]
+        for ep in self._store.snapshot():
+            self._add(ep)
+        self._spawn(self._sweep(), "metrics-staleness-sweeper")
+        if self._governor is not None:
+            self._spawn(self._governor.run(), "metrics-lag-governor")
+
+    async def stop(self) -> None:
+        """Cancel and await every task, apply staged writes, close the HTTP session.
+
+        Idempotent; safe if :meth:`start` was never called.
+        """
+        if self._stopped:
+            return
+        self._stopped = True
+        for unsub in self._unsubscribe:
+            unsub()
+        self._unsubscribe = []
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        self._states.clear()
+        self._commit()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # ------------------------------------------------------------------ introspection
+
+    @property
+    def effective_interval(self) -> float:
+        """The interval polls use now: the configured one, stretched under loop pressure."""
+        return self._governor.interval if self._governor is not None else self.options.interval_s
+
+    @property
+    def loop_lag(self) -> float:
+        """The mean timer lateness in the governor's last window (0 without a governor)."""
+        return self._governor.last_lag if self._governor is not None else 0.0
+
+    def scraping(self) -> list[str]:
+        """Keys of the endpoints that have a polling task."""
+        return sorted(self._states)
+
+    def last_success(self, key: str) -> float | None:
+        """``time.monotonic()`` of ``key``'s last successful scrape (exact), or None."""
+        st = self._states.get(key)
+        return None if st is None else st.last_success
+
+    def last_error(self, key: str) -> str | None:
+        """The current problem with ``key``'s scrapes (None when the last one was clean)."""
+        st = self._states.get(key)
+        return None if st is None else st.problem
+
+    def stale_count(self) -> int:
+        return sum(1 for st in self._states.values() if st.metrics.stale)
+
+    # ------------------------------------------------------------------ endpoint set
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _url(self, ep: Endpoint) -> URL:
+        o = self.options
+        host = f"[{ep.address}]" if ":" in ep.address else ep.address
+        return URL(f"{o.scheme}://{host}:{o.port or ep.port}{o.path}", encoded=True)
+
+    def _add(self, ep: Endpoint) -> None:
+        if self._stopped or ep.key in self._states:
+            return
+        st = _EndpointState(ep.key, self._url(ep), time.monotonic(), metrics=ep.metrics)
+        self._states[ep.key] = st
+        st.task = self._spawn(self._run(st), f"metrics-scrape {ep.key}")
+
+    def _remove(self, ep: Endpoint) -> None:
+        st = self._states.pop(ep.key, None)
+        self._pending.pop(ep.key, None)
+        if st is not None and st.task is not None:
+            st.task.cancel()
+
+    # ------------------------------------------------------------------ polling
+
+    async def _run(self, st: _EndpointState) -> None:
+        loop = asyncio.get_running_loop()
+        next_at = loop.time() + self._rng.random() * self.effective_interval
+        while True:
+            delay = next_at - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            ep = self._store.get(st.key)
+            if ep is None or self._states.get(st.key) is not st:
+                return
+            try:
+                await self._poll(st, self._engines.for_endpoint(ep))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a bug here must not end polling of this endpoint
+                log.debug("metrics scrape of %s: unexpected error", st.key, exc_info=True)
+                self._failed(st, f"internal error: {type(e).__name__}: {e}")
+            # ±10 % jitter per poll, and a random re-phase after falling behind: without
+            # them, endpoints delayed by one slow loop iteration would fire together from
+            # then on, and the bursts would keep the loop late.
+            iv = self.effective_interval
+            if st.failures:
+                # Back off from a failing endpoint (doubling, up to the ceiling) so dead or
+                # hanging pods do not hold concurrency slots meant for healthy ones.
+                iv = min(iv * 2 ** min(st.failures, 10), max(iv, self.options.ceiling_s))
+            next_at += iv * (0.9 + 0.2 * self._rng.random())
+            now = loop.time()
+            if next_at < now:
+                next_at = now + iv * self._rng.random()
+
+    async def _fetch(self, st: _EndpointState) -> bytes:
+        assert self._session is not None
+        o = self.options
+        try:
+            async with asyncio.timeout(o.timeout_s):
+                async with self._session.get(st.url, allow_redirects=False) as resp:
+                    if resp.status != 200:
+                        raise _ScrapeFailure(f"HTTP {resp.status} from {st.url}")
+                    length = resp.content_length
+                    if length is not None and length > o.max_body_bytes:
+                        raise _ScrapeFailure(f"body of {length} bytes exceeds "
+                                             f"{o.max_body_bytes}")
+                    body = await resp.read()
+        except TimeoutError:
+            raise _ScrapeFailure(f"timed out after {o.timeout_s:g}s ({st.url})") from None
+        except aiohttp.ClientError as e:
+            raise _ScrapeFailure(f"{type(e).__name__}: {e}") from None
+        if len(body) > o.max_body_bytes:
+            raise _ScrapeFailure(f"body of {len(body)} bytes exceeds {o.max_body_bytes}")
+        return body
+
+    async def _poll(self, st: _EndpointState, mapping: EngineMapping) -> None:
+        try:
+            async with self._sem:
+                body = await self._fetch(st)
+            index = promparse.SampleIndex(body.decode("utf-8", "replace"), self._line_cache)
+            extracted = mapping.extract(index)
+        except _ScrapeFailure as e:
+            self._failed(st, str(e))
+            return
+        except promparse.ParseError as e:
+            self._failed(st, f"malformed metrics text from {st.url}: {e}")
+            return
+        self._succeeded(st, extracted, time.monotonic())
+
+    def _succeeded(self, st: _EndpointState, ex: Extracted, now: float) -> None:
+        self.scrapes_ok += 1
+        st.last_success = now
+        st.failures = 0
+        prev = st.metrics
+        values = (
+            prev.waiting_queue_size if ex.waiting is None else ex.waiting,
+            prev.running_requests if ex.running is None else ex.running,
+            prev.kv_cache_usage if ex.kv_usage is None else ex.kv_usage,
+            prev.active_loras if ex.active_loras is None else ex.active_loras,
+            prev.waiting_loras if ex.waiting_loras is None else ex.waiting_loras,
+            prev.max_loras if ex.max_loras is None else ex.max_loras,
+            prev.block_size if ex.block_size is None else ex.block_size,
+            prev.num_blocks if ex.num_blocks is None else ex.num_blocks,
+        )
+        self._report(st, f"metrics of {st.key} incomplete: missing {'; '.join(ex.missing)}"
+                     if ex.missing else None)
+        if (values != st.values or prev.stale or prev.updated_at is None
+                or now - prev.updated_at >= self.options.resolution_s):
+            st.values = values
+            self._stage(st, Metrics(*values, updated_at=now, stale=False))
+
+    def _failed(self, st: _EndpointState, problem: str) -> None:
+        self.scrapes_failed += 1
+        st.failures += 1
+        self._report(st, f"metrics scrape of {st.key} failed: {problem}")
+        self._check_stale(st, time.monotonic())
+
+    def _report(self, st: _EndpointState, problem: str | None) -> None:
+        """Log a problem only when it differs from the endpoint's previous one."""
+        if problem == st.problem:
+            return
+        if problem is None:
+            log.info("metrics scrape of %s recovered", st.key)
+        else:
+            log.warning("%s (logged again only if the error changes)", problem)
+        st.problem = problem
+
+    def _check_stale(self, st: _EndpointState, now: float) -> None:
+        if st.metrics.stale:
+            return
+        ref = st.last_success if st.last_success is not None else st.added_at
+        age = now - ref
+        if age > self.options.staleness_threshold_s:
+            log.warning("metrics of %s are stale: no successful scrape for %.1fs; keeping "
+                        "its last values, marked stale", st.key, age)
+            self._stage(st, replace(st.metrics, stale=True))
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(self.options.sweep_period_s)
+            now = time.monotonic()
+            for st in list(self._states.values()):
+                self._check_stale(st, now)
+
+    # ------------------------------------------------------------------ datastore writes
+
+    def _stage(self, st: _EndpointState, m: Metrics) -> None:
+        st.metrics = m
+        if self.options.commit_interval_s <= 0:
+            self._store.update_metrics(st.key, m)
+            self.commits += 1
+            return
+        self._pending[st.key] = m
+        if self._commit_handle is None:
+            self._commit_handle = asyncio.get_running_loop().call_later(
+                self.options.commit_interval_s, self._commit)
+
+    def _commit(self) -> None:
+        if self._commit_handle is not None:
+            self._commit_handle.cancel()
+            self._commit_handle = None
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, {}
+        self._store.update_metrics_many(pending)
+        self.commits += 1
+
+
+class ScraperCollector(Collector):
+    """The scraper's own Prometheus metrics, read when ``/metrics`` is scraped."""
+
+    def __init__(self, scraper: MetricsScraper) -> None:
+        self._s = scraper
+
+    def collect(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
+        s = self._s
+        scrapes = CounterMetricFamily("epp_model_server_scrapes",
+                                      "Scrapes of model-server /metrics, by result.",
+                                      labels=["result"])
+        scrapes.add_metric(["success"], s.scrapes_ok)
+        scrapes.add_metric(["failure"], s.scrapes_failed)
+        stale = GaugeMetricFamily("epp_model_server_metrics_stale_endpoints",
+                                  "Endpoints whose metrics are stale (last successful scrape "
+                                  "older than the staleness threshold).")
+        stale.add_metric([], s.stale_count())
+        interval = GaugeMetricFamily("epp_model_server_scrape_interval_seconds",
+                                     "The scrape interval in force (stretched above the "
+                                     "configured one while the event loop runs late).")
+        interval.add_metric([], s.effective_interval)
+        return [scrapes, stale, interval]

@@ -1,0 +1,144 @@
+"""``no-hit-lru-scorer`` (llm-d): spread cold requests over the least recently used endpoints.
+
+A request is *cold* when no candidate holds any of its prompt's prefix blocks (read from
+the prefix producer's match for this cycle; a prompt shorter than one block is cold too).
+Cold requests create the most new KV blocks, so sending each to the endpoint that least
+recently received a cold request spreads cache growth evenly.
+
+- Warm request (some candidate has a prefix hit): 0.5 for every candidate — neutral.
+- Cold request over ``n`` candidates (1 when ``n == 1``): candidates that never received
+  a cold request come first, in candidate order, then the others from least to most
+  recently used; the candidate at rank ``r`` (0-based) scores ``1 − r / (n − 1)``.
+- After the Director's decision, for a cold request the primary profile's endpoint, and
+  the ``prefillProfile``'s endpoint when that profile ran, become the most recently used.
+
+Ranks are among the candidates (llm-d ranks by the position in its whole LRU, which can
+push every candidate to 0 when the LRU holds endpoints filtered out of this profile).
+
+Parameters: ``prefixPluginName`` (the ``prefix-cache-scorer`` or
+``approx-prefix-cache-producer`` to read; default ``prefix-cache-scorer``, falling back to
+the only prefix plugin declared), ``prefillProfile`` (``prefill``), ``lruSize`` (1024
+endpoints remembered).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+from epp.config.params import Params
+from epp.config.registry import PluginHandle
+from epp.errors import ConfigError
+from epp.scheduling.interfaces import Plugin
+from epp.scheduling.plugins.prefix import ApproxPrefixCacheProducer, PrefixCacheScorer
+from epp.scheduling.types import CycleState, Endpoint, LLMRequest, SchedulingResult
+
+NEUTRAL = 0.5
+
+
+class NoHitLRUScorer:
+    type_name = "no-hit-lru-scorer"
+    DEFAULT_PREFIX_PLUGIN = "prefix-cache-scorer"
+    DEFAULT_PREFILL_PROFILE = "prefill"
+    DEFAULT_LRU_SIZE = 1024
+
+    def __init__(self, name: str, prefix_plugin_name: str | None = None,
+                 prefill_profile: str = DEFAULT_PREFILL_PROFILE,
+                 lru_size: int = DEFAULT_LRU_SIZE) -> None:
+        self.name = name
+        self.prefix_plugin_name = prefix_plugin_name  # None: the default, resolved in bind()
+        self.prefill_profile = prefill_profile
+        self.lru_size = lru_size
+        self._prefix: Plugin | None = None
+        # endpoint key -> None, least recently used first
+        self._lru: OrderedDict[str, None] = OrderedDict()
+
+    @classmethod
+    def from_params(cls, name: str, params: Params, handle: PluginHandle) -> "NoHitLRUScorer":
+        prefix_name = params.str("prefixPluginName", None)
+        if prefix_name is not None and not prefix_name:
+            raise ConfigError(f"{params.path}.prefixPluginName: must not be empty")
+        prefill = params.str("prefillProfile", cls.DEFAULT_PREFILL_PROFILE) or \
+            cls.DEFAULT_PREFILL_PROFILE
+        lru_size = params.int("lruSize", cls.DEFAULT_LRU_SIZE, minimum=1)
+        params.done()
+        return cls(name, prefix_name, prefill, lru_size)
+
+    def bind(self, handle: PluginHandle) -> None:
+        """Find the prefix plugin to read (by name; the default name falls back to the only
+        prefix plugin declared). Without one every request counts as cold, as in llm-d."""
+        wanted = self.prefix_plugin_name or self.DEFAULT_PREFIX_PLUGIN
+        found = handle.plugins.get(wanted)
+        if found is not None:
+            if not isinstance(found, (PrefixCacheScorer, ApproxPrefixCacheProducer)):
+                raise ConfigError(f"{self.name}: prefixPluginName {wanted!r} is a "
+                                  f"{found.type_name}, not a prefix-cache-scorer or "
+                                  "approx-prefix-cache-producer")
+            self._prefix = found
+            return
+        if self.prefix_plugin_name is not None:
+            raise ConfigError(f"{self.name}: prefixPluginName {wanted!r}: no such plugin; "
+                              "declare the prefix-cache-scorer it reads")
+        for kind in (PrefixCacheScorer, ApproxPrefixCacheProducer):
+            candidates = [p for p in handle.plugins.values() if isinstance(p, kind)]
+            if len(candidates) == 1:
+                self._prefix = candidates[0]
+                return
+            if len(candidates) > 1:
+                raise ConfigError(f"{self.name}: several {kind.type_name} plugins; name the one "
+                                  "to read with prefixPluginName")
+
+    def _producer(self) -> ApproxPrefixCacheProducer | None:
+        p = self._prefix
+        if isinstance(p, PrefixCacheScorer):
+            return p.producer
+        if isinstance(p, ApproxPrefixCacheProducer):
+            return p
+        return None
+
+    def is_cold(self, state: CycleState, request: LLMRequest,
+                endpoints: Sequence[Endpoint]) -> bool:
+        """True when no candidate holds any prefix block of the request's prompt."""
+        producer = self._producer()
+        if producer is None:
+            return True
+        _, matched = producer.match(state, request, endpoints)
+        return not any(n > 0 for n in matched.values())
+
+    def score(self, state: CycleState, request: LLMRequest,
+              endpoints: Sequence[Endpoint]) -> Sequence[float]:
+        cold = self.is_cold(state, request, endpoints)
+        request.plugin_state[self.name] = cold
+        n = len(endpoints)
+        if not cold:
+            return [NEUTRAL] * n
+        if n == 1:
+            return [1.0]
+        lru = self._lru
+        never = [i for i, e in enumerate(endpoints) if e.key not in lru]
+        used = [i for i, e in enumerate(endpoints) if e.key in lru]
+        if used:
+            position = {k: p for p, k in enumerate(lru)}
+            used.sort(key=lambda i: position[endpoints[i].key])
+        out = [0.0] * n
+        for rank, i in enumerate(never + used):
+            out[i] = 1.0 - rank / (n - 1)
+        return out
+
+    def pre_request(self, request: LLMRequest, result: SchedulingResult) -> None:
+        """For a cold request, mark the chosen endpoints as most recently used."""
+        if not request.plugin_state.pop(self.name, False):
+            return
+        for profile in (result.primary_profile, self.prefill_profile):
+            r = result.profile_results.get(profile)
+            if r is not None and r.endpoints:
+                self._touch(r.endpoints[0].key)
+
+    def _touch(self, key: str) -> None:
+        self._lru[key] = None
+        self._lru.move_to_end(key)
+        while len(self._lru) > self.lru_size:
+            self._lru.popitem(last=False)
+
+    def endpoint_removed(self, key: str) -> None:
+        self._lru.pop(key, None)

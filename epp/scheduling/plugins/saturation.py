@@ -1,0 +1,113 @@
+"""``utilization-detector``: GIE's saturation detector, usable two ways.
+
+As the config's ``saturationDetector: {pluginRef: …}`` — :meth:`is_saturated` is True
+when no endpoint has good capacity (GIE v1's rule), i.e. every endpoint is saturated:
+an endpoint has good capacity when its metrics are fresh, its waiting queue is
+``<= queueDepthThreshold`` and its KV-cache usage ``<= kvCacheUtilThreshold``. No
+endpoints → saturated. :meth:`saturation` gives GIE's continuous signal, the average over
+endpoints of ``max(queue / queueDepthThreshold, kv / kvCacheUtilThreshold)`` (stale = 1).
+
+As a filter in a profile — drops endpoints that are stale or at/over the limits
+``queue < queueDepthThreshold × (1 + headroom)`` and ``kv < kvCacheUtilThreshold ×
+(1 + headroom)`` fail; if that would drop every endpoint it keeps them all (GIE's
+fail-open: the scorers then pick the least bad one rather than failing the request).
+
+Metrics are stale when the scraper marked them so, when they were never scraped, or when
+the last scrape is older than ``metricsStalenessThreshold``. The datastore refreshes the
+scrape stamp at its freshness resolution (100 ms at the scraper's defaults), so keep the
+threshold well above that.
+
+Parameters (GIE's): ``queueDepthThreshold`` (5, > 0), ``kvCacheUtilThreshold`` (0.8, in
+(0, 1]), ``metricsStalenessThreshold`` (``200ms``, > 0), ``headroom`` (0.0, >= 0).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+from epp.config.params import Params
+from epp.config.registry import PluginHandle
+from epp.errors import ConfigError
+from epp.scheduling.types import CycleState, Endpoint, LLMRequest
+
+
+class UtilizationDetector:
+    type_name = "utilization-detector"
+    DEFAULT_QUEUE_DEPTH = 5
+    DEFAULT_KV_UTIL = 0.8
+    DEFAULT_STALENESS = 0.2
+    DEFAULT_HEADROOM = 0.0
+
+    def __init__(self, name: str, queue_depth_threshold: int = DEFAULT_QUEUE_DEPTH,
+                 kv_cache_util_threshold: float = DEFAULT_KV_UTIL,
+                 metrics_staleness_threshold: float = DEFAULT_STALENESS,
+                 headroom: float = DEFAULT_HEADROOM,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.name = name
+        self.queue_depth_threshold = queue_depth_threshold
+        self.kv_cache_util_threshold = kv_cache_util_threshold
+        self.metrics_staleness_threshold = metrics_staleness_threshold
+        self.headroom = headroom
+        self._clock = clock
+
+    @classmethod
+    def from_params(cls, name: str, params: Params,
+                    handle: PluginHandle) -> "UtilizationDetector":
+        queue = params.int("queueDepthThreshold", cls.DEFAULT_QUEUE_DEPTH, minimum=1)
+        kv = params.float("kvCacheUtilThreshold", cls.DEFAULT_KV_UTIL, maximum=1.0)
+        if not kv > 0:
+            raise ConfigError(f"{params.path}.kvCacheUtilThreshold: must be in (0, 1], got {kv:g}")
+        stale = params.duration("metricsStalenessThreshold", cls.DEFAULT_STALENESS)
+        if not stale > 0:
+            raise ConfigError(f"{params.path}.metricsStalenessThreshold: must be > 0, "
+                              f"got {stale:g}s")
+        headroom = params.float("headroom", cls.DEFAULT_HEADROOM, minimum=0.0)
+        params.done()
+        return cls(name, queue, kv, stale, headroom)
+
+    def _stale(self, e: Endpoint, now: float) -> bool:
+        return e.metrics.is_stale(now, self.metrics_staleness_threshold)
+
+    # --- SaturationDetector ---
+
+    def has_capacity(self, e: Endpoint, now: float | None = None) -> bool:
+        """Fresh metrics, queue <= queueDepthThreshold and KV usage <= kvCacheUtilThreshold."""
+        if self._stale(e, self._clock() if now is None else now):
+            return False
+        m = e.metrics
+        return (m.waiting_queue_size <= self.queue_depth_threshold
+                and m.kv_cache_usage <= self.kv_cache_util_threshold)
+
+    def is_saturated(self, endpoints: Sequence[Endpoint]) -> bool:
+        """True when no endpoint has capacity (every one is saturated, or there are none)."""
+        now = self._clock()
+        return not any(self.has_capacity(e, now) for e in endpoints)
+
+    def saturation(self, endpoints: Sequence[Endpoint]) -> float:
+        """GIE's pool saturation gradient: mean per-endpoint roofline score; 1.0 if empty."""
+        if not endpoints:
+            return 1.0
+        now = self._clock()
+        total = 0.0
+        for e in endpoints:
+            if self._stale(e, now):
+                total += 1.0
+                continue
+            m = e.metrics
+            total += max(m.waiting_queue_size / self.queue_depth_threshold,
+                         m.kv_cache_usage / self.kv_cache_util_threshold)
+        return total / len(endpoints)
+
+    # --- Filter ---
+
+    def filter(self, state: CycleState, request: LLMRequest,
+               endpoints: Sequence[Endpoint]) -> Sequence[Endpoint]:
+        q_limit = self.queue_depth_threshold * (1.0 + self.headroom)
+        kv_limit = self.kv_cache_util_threshold * (1.0 + self.headroom)
+        now = self._clock()
+        kept = [e for e in endpoints
+                if not self._stale(e, now)
+                and e.metrics.waiting_queue_size < q_limit
+                and e.metrics.kv_cache_usage < kv_limit]
+        return kept if kept else endpoints

@@ -1,0 +1,111 @@
+"""``topology-affinity-scorer``: pair prefill pods close to the decode pod already chosen.
+
+Levels, strongest first; a level is one label key or several joined with ``+`` that must
+all be present and equal on both endpoints. Keys are looked up in the pod's labels, then
+in its node's labels. Default levels (Grove, then node topology):
+
+1. ``grove.io/podcliquescalinggroup+grove.io/podcliquescalinggroup-replica-index``
+2. ``grove.io/podgang``
+3. ``app.kubernetes.io/part-of+grove.io/podcliqueset-replica-index``
+4. ``topology.kubernetes.io/rack``
+5. ``topology.kubernetes.io/block``
+6. ``topology.kubernetes.io/zone``
+
+Score of a candidate = (L − i) / L for the strongest level *i* (0-based) it shares with the
+decode endpoint, 0 when it shares none (L = number of levels). Weighted against load
+scorers, a hot rack spills over. ``mode: required`` also makes it a filter: candidates
+sharing no level are dropped (the profile fails if none is left, and the handler falls
+back to decode-only). Without a decode endpoint in the cycle (aggregated serving) every
+candidate scores 0 and nothing is filtered.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from epp import keys
+from epp.config.params import Params
+from epp.config.registry import PluginHandle
+from epp.errors import ConfigError
+from epp.scheduling.plugins.pd import DECODE_ENDPOINT_KEY
+from epp.scheduling.types import CycleState, Endpoint, LLMRequest
+
+DEFAULT_LEVELS: tuple[str, ...] = (
+    f"{keys.LABEL_GROVE_PCSG}+{keys.LABEL_GROVE_PCSG_REPLICA}",
+    keys.LABEL_GROVE_PODGANG,
+    f"{keys.LABEL_PART_OF}+{keys.LABEL_GROVE_PCS_REPLICA}",
+    keys.LABEL_RACK,
+    keys.LABEL_BLOCK,
+    keys.LABEL_ZONE,
+)
+
+
+def _value(e: Endpoint, key: str) -> str | None:
+    v = e.labels.get(key)
+    return v if v is not None else e.node_labels.get(key)
+
+
+def shared_level(a: Endpoint, b: Endpoint, levels: Sequence[tuple[str, ...]]) -> int | None:
+    """Index of the strongest level ``a`` and ``b`` share, or None."""
+    for i, level in enumerate(levels):
+        ok = True
+        for k in level:
+            va = _value(a, k)
+            if va is None or va != _value(b, k):
+                ok = False
+                break
+        if ok:
+            return i
+    return None
+
+
+class TopologyAffinityScorer:
+    type_name = "topology-affinity-scorer"
+
+    def __init__(self, name: str, levels: Sequence[str] = DEFAULT_LEVELS,
+                 required: bool = False) -> None:
+        self.name = name
+        self.levels = tuple(tuple(k.strip() for k in lvl.split("+")) for lvl in levels)
+        self.required = required
+
+    @classmethod
+    def from_params(cls, name: str, params: Params,
+                    handle: PluginHandle) -> "TopologyAffinityScorer":
+        raw = params.raw("levels")
+        if raw is None:
+            levels: Sequence[str] = DEFAULT_LEVELS
+        elif (not isinstance(raw, list) or not raw
+              or not all(isinstance(x, str) and x.strip() for x in raw)):
+            raise ConfigError(f"{params.path}.levels: expected a non-empty list of label keys "
+                              "(strongest first; join keys that must all match with '+')")
+        else:
+            levels = raw
+        mode = params.str("mode", "preferred")
+        if mode not in ("preferred", "required"):
+            raise ConfigError(f"{params.path}.mode: expected 'preferred' or 'required', "
+                              f"got {mode!r}")
+        params.done()
+        return cls(name, levels, mode == "required")
+
+    def _levels_of(self, state: CycleState, endpoints: Sequence[Endpoint]) -> list[int | None] | None:
+        decode = state.get(DECODE_ENDPOINT_KEY)
+        if not isinstance(decode, Endpoint):
+            return None
+        return [shared_level(decode, e, self.levels) for e in endpoints]
+
+    def score(self, state: CycleState, request: LLMRequest,
+              endpoints: Sequence[Endpoint]) -> Sequence[float]:
+        lv = self._levels_of(state, endpoints)
+        if lv is None:
+            return [0.0] * len(endpoints)
+        n = len(self.levels)
+        return [0.0 if i is None else (n - i) / n for i in lv]
+
+    def filter(self, state: CycleState, request: LLMRequest,
+               endpoints: Sequence[Endpoint]) -> Sequence[Endpoint]:
+        if not self.required:
+            return endpoints
+        lv = self._levels_of(state, endpoints)
+        if lv is None:
+            return endpoints
+        return [e for e, i in zip(endpoints, lv) if i is not None]

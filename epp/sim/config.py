@@ -1,0 +1,107 @@
+"""Parameters of one simulated model server (docs/simulator.md explains each one).
+
+:class:`SimConfig` is immutable and validated on construction: an invalid value raises
+:class:`ValueError` naming the parameter. Every duration in it is *model* time; the
+engine multiplies each by :attr:`SimConfig.time_scale` before sleeping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Final, Literal
+
+__all__ = ["ROLES", "Role", "SimConfig"]
+
+Role = Literal["both", "prefill", "decode"]
+ROLES: Final[tuple[Role, ...]] = ("both", "prefill", "decode")
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """Latency model, cache, LoRA, role and failure-injection parameters.
+
+    Defaults are loosely an 8B model on one modern GPU with tokens = whitespace words,
+    scaled down so that tests and the local stack stay quick; see docs/simulator.md for
+    the formulas and for more realistic values.
+    """
+
+    # Continuous batching.
+    max_num_seqs: int = 256
+    """Most sequences in the running batch; the rest wait (``num_requests_waiting``)."""
+    max_num_batched_tokens: int = 8192
+    """Token budget of one engine step: one per decoding sequence plus prefill chunks."""
+    # KV cache.
+    block_size: int = 16
+    """Tokens per KV block (the prefix-cache granularity)."""
+    num_gpu_blocks: int = 131072
+    """KV cache capacity in blocks, shared by running sequences and the prefix cache."""
+    # Step cost.
+    prefill_ms_per_token: float = 0.002
+    """Cost of one *uncached* prompt token in a step."""
+    decode_base_ms: float = 5.0
+    """Fixed cost of a step that decodes at least one sequence."""
+    decode_per_seq_ms: float = 0.05
+    """Extra decode cost per sequence decoded in the step."""
+    kv_transfer_ms_per_token: float = 0.0005
+    """Decode role: cost per uncached prompt token whose KV comes from a prefill pod."""
+    # LoRA.
+    loras: tuple[str, ...] = ()
+    """Adapter names served besides the base model (a request selects one by ``model``)."""
+    max_loras: int = 1
+    """Adapter slots: most distinct adapters loaded (and so running) at once."""
+    lora_load_ms: float = 5.0
+    """Added to a step for each adapter loaded into a slot in it."""
+    # Role.
+    role: Role = "both"
+    """``prefill`` answers every generation with one token; ``decode`` prices remote KV."""
+    # Failure injection.
+    error_rate: float = 0.0
+    """Probability (0..1) that a valid generation request gets a 500."""
+    slow_start_s: float = 0.0
+    """For this long after start, ``/health`` is 503 and steps are slower."""
+    slow_start_factor: float = 3.0
+    """Step-time multiplier during slow start."""
+    # Global.
+    time_scale: float = 1.0
+    """Multiplies every modeled duration (0 = as fast as the event loop goes)."""
+    seed: int = 0
+    """Seeds the per-server random source (error injection)."""
+
+    def __post_init__(self) -> None:
+        def positive(name: str) -> None:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+        def non_negative(name: str) -> None:
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_gpu_blocks"):
+            positive(name)
+        for name in (
+            "prefill_ms_per_token",
+            "decode_base_ms",
+            "decode_per_seq_ms",
+            "kv_transfer_ms_per_token",
+            "max_loras",
+            "lora_load_ms",
+            "slow_start_s",
+            "time_scale",
+        ):
+            non_negative(name)
+        if self.slow_start_factor < 1:
+            raise ValueError(f"slow_start_factor must be >= 1, got {self.slow_start_factor}")
+        if not 0.0 <= self.error_rate <= 1.0:
+            raise ValueError(f"error_rate must be in [0, 1], got {self.error_rate}")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.loras and self.max_loras < 1:
+            raise ValueError("max_loras must be >= 1 when LoRA adapters are configured")
+        if len(set(self.loras)) != len(self.loras) or any(not n for n in self.loras):
+            raise ValueError(f"loras must be distinct non-empty names, got {list(self.loras)}")
+
+    def as_dict(self) -> dict[str, Any]:
+        """The parameters as plain JSON-able values."""
+        d = asdict(self)
+        d["loras"] = list(self.loras)
+        return d

@@ -1,0 +1,459 @@
+"""The metrics scraper (epp.datalayer.scraper) against in-process HTTP servers.
+
+Synchronisation is by polling the datastore or the scraper's counters with a deadline
+(:func:`eventually`), never by sleeping a fixed time and hoping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from epp import keys
+from epp.datalayer.scraper import MetricsScraper, ScrapeOptions, ScraperCollector, _LagGovernor
+from epp.datastore.store import Datastore
+from epp.errors import ConfigError
+from epp.scheduling.types import Endpoint, Metrics
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
+LOGGER = "epp.datalayer.scraper"
+
+
+def fixture(name: str) -> str:
+    return (FIXTURES / name).read_text(encoding="utf-8")
+
+
+async def eventually(pred: Callable[[], bool], timeout: float = 5.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or pred}")
+        await asyncio.sleep(0.005)
+
+
+@dataclass
+class FakePod:
+    """One fake model server: serves ``body`` at ``path`` with ``status``; can hang."""
+
+    port: int
+    body: str
+    status: int = 200
+    path: str = "/metrics"
+    hang: bool = False
+    requests: int = 0
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def key(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def endpoint(self, **labels: str) -> Endpoint:
+        return Endpoint(f"pod-{self.port}", "127.0.0.1", self.port, labels=labels)
+
+
+class Pods:
+    def __init__(self) -> None:
+        self.pods: list[FakePod] = []
+        self.runners: list[web.AppRunner] = []
+
+    async def add(self, body: str, path: str = "/metrics") -> FakePod:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        pod = FakePod(sock.getsockname()[1], body, path=path)
+
+        async def handler(_: web.Request) -> web.Response:
+            pod.requests += 1
+            if pod.hang:
+                await pod.release.wait()
+            return web.Response(text=pod.body, status=pod.status, content_type="text/plain")
+
+        app = web.Application()
+        app.router.add_get(path, handler)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+        await runner.setup()
+        await web.SockSite(runner, sock).start()
+        self.pods.append(pod)
+        self.runners.append(runner)
+        return pod
+
+    async def close(self) -> None:
+        for p in self.pods:
+            p.hang = False
+            p.release.set()
+        for r in self.runners:
+            await r.cleanup()
+
+
+@pytest.fixture
+async def pods() -> AsyncIterator[Pods]:
+    p = Pods()
+    try:
+        yield p
+    finally:
+        await p.close()
+
+
+class CountingStore(Datastore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches = 0
+        self.writes = 0
+
+    def update_metrics_many(self, updates: Any) -> int:
+        self.batches += 1
+        self.writes += len(updates)
+        return super().update_metrics_many(updates)
+
+
+def opts(**kw: Any) -> ScrapeOptions:
+    base: dict[str, Any] = {"interval_s": 0.01, "timeout_s": 0.5, "staleness_threshold_s": 0.3,
+                            "commit_interval_s": 0.005, "max_loop_lag_s": None}
+    base.update(kw)
+    return ScrapeOptions(**base)
+
+
+def metrics(store: Datastore, pod: FakePod) -> Metrics:
+    ep = store.get(pod.key)
+    assert ep is not None
+    return ep.metrics
+
+
+@pytest.fixture
+async def scrapers() -> AsyncIterator[list[MetricsScraper]]:
+    made: list[MetricsScraper] = []
+    yield made
+    for s in made:
+        await s.stop()
+
+
+def start(scrapers: list[MetricsScraper], store: Datastore, o: ScrapeOptions) -> MetricsScraper:
+    s = MetricsScraper(store, o, seed=7)
+    s.start()
+    scrapers.append(s)
+    return s
+
+
+# ---------------------------------------------------------------- values
+
+
+async def test_values_arrive_and_follow_changes(pods: Pods, scrapers: list[MetricsScraper]) -> None:
+    pod = await pods.add(fixture("vllm.txt"))
+    store = Datastore()
+    store.set_endpoints([pod.endpoint()])
+    start(scrapers, store, opts())
+    await eventually(lambda: metrics(store, pod).updated_at is not None, what="first scrape")
+    m = metrics(store, pod)
+    assert (m.waiting_queue_size, m.running_requests, m.kv_cache_usage) == (3, 7, 0.4375)
+    assert m.active_loras == {"sql-lora", "chat-lora"} and m.waiting_loras == {"tweet-lora"}
+    assert (m.max_loras, m.block_size, m.num_blocks) == (4, 16, 27264)
+    assert not m.stale
+    pod.body = pod.body.replace('Llama-3.1-8B-Instruct"} 7.0', 'Llama-3.1-8B-Instruct"} 9.0', 1)
+    await eventually(lambda: metrics(store, pod).running_requests == 9, what="new value")
+
+
+async def test_engine_chosen_by_label(pods: Pods, scrapers: list[MetricsScraper]) -> None:
+    sg = await pods.add(fixture("sglang.txt"))
+    tr = await pods.add(fixture("triton_trtllm.txt"))
+    store = Datastore()
+    store.set_endpoints([sg.endpoint(**{keys.LABEL_ENGINE: "sglang"}),
+                         tr.endpoint(**{keys.LABEL_ENGINE_GIE: "triton-tensorrt-llm"})])
+    start(scrapers, store, opts())
+    await eventually(lambda: metrics(store, sg).updated_at is not None
+                     and metrics(store, tr).updated_at is not None)
+    a, b = metrics(store, sg), metrics(store, tr)
+    assert (a.waiting_queue_size, a.running_requests, a.kv_cache_usage) == (5, 9, 0.27)
+    assert (a.block_size, a.num_blocks) == (1, 189756)
+    assert (b.waiting_queue_size, b.running_requests, b.kv_cache_usage) == (3, 11, 0.25)
+
+
+async def test_port_and_path_overrides(pods: Pods, scrapers: list[MetricsScraper]) -> None:
+    pod = await pods.add(fixture("vllm_old.txt"), path="/custom/metrics")
+    store = Datastore()
+    # The endpoint's own port serves nothing; metrics come from the override port.
+    store.set_endpoints([Endpoint("p", "127.0.0.1", 1)])
+    start(scrapers, store, opts(port=pod.port, path="/custom/metrics"))
+    await eventually(lambda: (e := store.get("127.0.0.1:1")) is not None
+                     and e.metrics.kv_cache_usage == 0.8125, what="old vLLM KV name")
+
+
+async def test_partial_scrape_keeps_missing_values_and_logs_once(
+        pods: Pods, scrapers: list[MetricsScraper], caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    pod = await pods.add(fixture("vllm.txt"))
+    store = Datastore()
+    store.set_endpoints([pod.endpoint()])
+    s = start(scrapers, store, opts())
+    await eventually(lambda: metrics(store, pod).updated_at is not None)
+    pod.body = fixture("missing.txt")  # running 5, waiting 1, no KV metric
+    await eventually(lambda: metrics(store, pod).running_requests == 5)
+    n = s.scrapes_ok
+    await eventually(lambda: s.scrapes_ok >= n + 10, what="more scrapes")
+    m = metrics(store, pod)
+    assert m.kv_cache_usage == 0.4375  # kept from the last scrape that had it
+    assert not m.stale  # a partial scrape is a successful scrape
+    incomplete = [r for r in caplog.records if "incomplete" in r.getMessage()]
+    assert len(incomplete) == 1
+    assert keys.VLLM_KV_USAGE in incomplete[0].getMessage()
+    assert s.last_error(pod.key) is not None
+
+
+# ---------------------------------------------------------------- failures and staleness
+
+
+async def test_errors_logged_once_per_change_then_recovery(
+        pods: Pods, scrapers: list[MetricsScraper], caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    pod = await pods.add(fixture("vllm.txt"))
+    store = Datastore()
+    store.set_endpoints([pod.endpoint()])
+    s = start(scrapers, store, opts(staleness_threshold_s=10.0, max_interval_s=0.02))
+    await eventually(lambda: metrics(store, pod).updated_at is not None)
+    pod.status = 500
+    await eventually(lambda: s.scrapes_failed >= 5, what="5 failed polls")
+    pod.status = 404
+    n = s.scrapes_failed
+    await eventually(lambda: s.scrapes_failed >= n + 5, what="5 more failed polls")
+    pod.status = 200
+    await eventually(lambda: s.last_error(pod.key) is None, what="recovery")
+    msgs = [r.getMessage() for r in caplog.records]
+    assert sum("HTTP 500" in m for m in msgs) == 1
+    assert sum("HTTP 404" in m for m in msgs) == 1
+    assert sum("recovered" in m for m in msgs) == 1
+    assert metrics(store, pod).running_requests == 7  # values never dropped
+
+
+async def test_malformed_body_is_an_error_and_keeps_values(
+        pods: Pods, scrapers: list[MetricsScraper], caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    pod = await pods.add(fixture("vllm.txt"))
+    store = Datastore()
+    store.set_endpoints([pod.endpoint()])
+    s = start(scrapers, store, opts())
+    await eventually(lambda: metrics(store, pod).updated_at is not None)
+    pod.body = fixture("malformed.txt")
+    await eventually(lambda: metrics(store, pod).stale, what="stale after threshold")
+    m = metrics(store, pod)
+    assert (m.waiting_queue_size, m.running_requests) == (3, 7)
+    err = s.last_error(pod.key)
+    assert err is not None and "malformed metrics text" in err and "line 3" in err
+    assert sum("malformed" in r.getMessage() for r in caplog.records) == 1
+
+
+async def test_hanging_server_goes_stale_while_the_poll_hangs(
+        pods: Pods, scrapers: list[MetricsScraper], caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    pod = await pods.add(fixture("vllm.txt"))
+    store = Datastore()
+    store.set_endpoints([pod.endpoint()])
+    # The poll timeout is far longer than the staleness threshold: the sweeper must mark
+    # the endpoint stale while its poll is still hanging.
+    s = start(scrapers, store, opts(timeout_s=30.0, staleness_threshold_s=0.2))
+    await eventually(lambda: metrics(store, pod).updated_at is not None)
+    last_ok = s.last_success(pod.key)
+    pod.hang = True
+    await eventually(lambda: metrics(store, pod).stale, what="stale")
+    m = metrics(store, pod)
+    assert (m.waiting_queue_size, m.running_requests, m.kv_cache_usage) == (3, 7, 0.4375)
+    assert m.updated_at is not None and last_ok is not None
+    assert m.is_stale(time.monotonic())
+    assert s.scrapes_failed == 0  # nothing failed yet: the poll is still in flight
+    assert store.get(pod.key) is not None  # never dropped
+    pod.hang = False
+    pod.release.set()
+    await eventually(lambda: not metrics(store, pod).stale, what="fresh again")
+    assert sum("stale" in r.getMessage() for r in caplog.records) == 1
+
+
+async def test_timeout_marks_failure(pods: Pods, scrapers: list[MetricsScraper],
+                                     caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    pod = await pods.add(fixture("vllm.txt"))
+    pod.hang = True
+    store = Datastore()
+    store.set_endpoints([pod.endpoint()])
+    s = start(scrapers, store, opts(timeout_s=0.05, staleness_threshold_s=0.2,
+                                    max_interval_s=0.02))
+    await eventually(lambda: s.scrapes_failed >= 3, what="3 timeouts")
+    assert "timed out after 0.05s" in (s.last_error(pod.key) or "")
+    assert sum("timed out" in r.getMessage() for r in caplog.records) == 1
+    await eventually(lambda: metrics(store, pod).stale)
+    assert metrics(store, pod).updated_at is None  # never scraped: stale, no values
+
+
+async def test_unreachable_endpoint_is_stale_not_dropped(scrapers: list[MetricsScraper]) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed when the block ends: connection refused
+    store = Datastore()
+    store.set_endpoints([Endpoint("dead", "127.0.0.1", port)])
+    s = start(scrapers, store, opts(staleness_threshold_s=0.1))
+    key = f"127.0.0.1:{port}"
+    await eventually(lambda: (e := store.get(key)) is not None and e.metrics.stale)
+    assert s.stale_count() == 1
+    assert "failed" in (s.last_error(key) or "")
+
+
+# ---------------------------------------------------------------- following the datastore
+
+
+def scrape_tasks(key: str | None = None) -> list[asyncio.Task[Any]]:
+    return [t for t in asyncio.all_tasks()
+            if t.get_name().startswith("metrics-") and not t.done()
+            and (key is None or t.get_name() == f"metrics-scrape {key}")]
+
+
+async def test_tasks_follow_additions_and_removals(pods: Pods,
+                                                   scrapers: list[MetricsScraper]) -> None:
+    a = await pods.add(fixture("vllm.txt"))
+    b = await pods.add(fixture("vllm.txt"))
+    store = Datastore()
+    store.set_endpoints([a.endpoint()])
+    s = start(scrapers, store, opts())
+    assert s.scraping() == [a.key]
+    store.set_endpoints([a.endpoint(), b.endpoint()])
+    assert s.scraping() == sorted([a.key, b.key])
+    await eventually(lambda: metrics(store, b).updated_at is not None, what="b scraped")
+    assert len(scrape_tasks(b.key)) == 1
+
+    store.set_endpoints([a.endpoint()])
+    assert s.scraping() == [a.key]
+    await eventually(lambda: not scrape_tasks(b.key), what="b's task to end")
+    seen = b.requests
+    n = a.requests
+    await eventually(lambda: a.requests >= n + 5, what="a still polled")
+    assert b.requests <= seen + 1  # at most one poll already in flight at removal
+
+    # Re-added: a fresh task and fresh metrics.
+    store.set_endpoints([a.endpoint(), b.endpoint()])
+    assert len(scrape_tasks(b.key)) == 1
+    await eventually(lambda: b.requests > seen + 1)
+
+
+async def test_stop_cancels_every_task_and_is_idempotent(pods: Pods) -> None:
+    a = await pods.add(fixture("vllm.txt"))
+    store = Datastore()
+    store.set_endpoints([a.endpoint()])
+    s = MetricsScraper(store, opts(max_loop_lag_s=0.002))
+    s.start()
+    await eventually(lambda: metrics(store, a).updated_at is not None)
+    assert len(scrape_tasks()) == 3  # the endpoint, the staleness sweeper, the governor
+    await s.stop()
+    assert scrape_tasks() == []
+    await s.stop()
+    # Unsubscribed: later endpoint changes start nothing.
+    b = await pods.add(fixture("vllm.txt"))
+    store.set_endpoints([a.endpoint(), b.endpoint()])
+    assert scrape_tasks() == [] and s.scraping() == []
+
+
+async def test_start_twice_is_an_error(scrapers: list[MetricsScraper]) -> None:
+    s = start(scrapers, Datastore(), opts())
+    with pytest.raises(RuntimeError):
+        s.start()
+
+
+# ---------------------------------------------------------------- datastore write policy
+
+
+async def test_unchanged_values_are_not_rewritten_every_poll(
+        pods: Pods, scrapers: list[MetricsScraper]) -> None:
+    pod = await pods.add(fixture("vllm.txt"))
+    store = CountingStore()
+    store.set_endpoints([pod.endpoint()])
+    s = start(scrapers, store, opts(freshness_resolution_s=10.0))
+    await eventually(lambda: metrics(store, pod).updated_at is not None)
+    first = metrics(store, pod).updated_at
+    await eventually(lambda: s.scrapes_ok >= 20, what="20 scrapes")
+    assert store.writes == 1  # the first scrape only: nothing changed since
+    assert metrics(store, pod).updated_at == first
+    assert (s.last_success(pod.key) or 0) > (first or 0)  # the exact time is still known
+
+
+async def test_updated_at_refreshes_at_the_resolution(
+        pods: Pods, scrapers: list[MetricsScraper]) -> None:
+    pod = await pods.add(fixture("vllm.txt"))
+    store = CountingStore()
+    store.set_endpoints([pod.endpoint()])
+    s = start(scrapers, store, opts(freshness_resolution_s=0.05))
+    await eventually(lambda: metrics(store, pod).updated_at is not None)
+    first = metrics(store, pod).updated_at or 0.0
+    await eventually(lambda: (metrics(store, pod).updated_at or 0.0) >= first + 0.05,
+                     what="a refresh")
+    assert store.writes < s.scrapes_ok
+
+
+async def test_writes_are_coalesced(pods: Pods, scrapers: list[MetricsScraper]) -> None:
+    body = fixture("vllm.txt")
+    many = [await pods.add(body) for _ in range(10)]
+    store = CountingStore()
+    store.set_endpoints([p.endpoint() for p in many])
+    s = start(scrapers, store, opts(commit_interval_s=0.05))
+    await eventually(lambda: all(metrics(store, p).updated_at is not None for p in many))
+    assert store.writes == 10
+    assert store.batches < 10  # several endpoints' first values applied per commit
+    assert s.commits == store.batches
+
+
+async def test_default_resolution_and_ceiling() -> None:
+    o = ScrapeOptions()
+    assert o.resolution_s == pytest.approx(0.1)
+    assert o.ceiling_s == pytest.approx(0.5)
+    assert ScrapeOptions(interval_s=1.0).resolution_s == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("kw,fragment", [
+    ({"interval_s": 0}, "--refresh-metrics-interval"),
+    ({"staleness_threshold_s": -1}, "--metrics-staleness-threshold"),
+    ({"scheme": "ftp"}, "--model-server-metrics-scheme"),
+    ({"path": "metrics"}, "--model-server-metrics-path"),
+    ({"port": 70000}, "--model-server-metrics-port"),
+    ({"max_concurrency": 0}, "concurrency"),
+    ({"timeout_s": 0}, "timeout"),
+])
+def test_options_are_validated(kw: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        ScrapeOptions(**kw).validate()
+
+
+# ---------------------------------------------------------------- load shedding
+
+
+def test_governor_backs_off_fast_and_returns_slowly() -> None:
+    g = _LagGovernor(base=0.05, ceiling=0.5, target=0.002, period=0.01)
+    g.adjust(0.010)
+    assert g.interval == pytest.approx(0.075)
+    for _ in range(10):
+        g.adjust(0.010)
+    assert g.interval == 0.5  # capped
+    g.adjust(0.0015)  # between half the target and the target: hold
+    assert g.interval == 0.5
+    g.adjust(0.0001)
+    assert g.interval == pytest.approx(0.45)
+    for _ in range(100):
+        g.adjust(0.0)
+    assert g.interval == 0.05  # never below the configured interval
+
+
+async def test_collector_exports_scrape_counts(pods: Pods,
+                                               scrapers: list[MetricsScraper]) -> None:
+    pod = await pods.add(fixture("vllm.txt"))
+    store = Datastore()
+    store.set_endpoints([pod.endpoint()])
+    s = start(scrapers, store, opts())
+    await eventually(lambda: s.scrapes_ok >= 2)
+    fams = {f.name: f for f in ScraperCollector(s).collect()}
+    ok = [x for x in fams["epp_model_server_scrapes"].samples
+          if x.labels == {"result": "success"}]
+    assert ok[0].value >= 2
+    assert fams["epp_model_server_metrics_stale_endpoints"].samples[0].value == 0
+    assert fams["epp_model_server_scrape_interval_seconds"].samples[0].value == 0.01

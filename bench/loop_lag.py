@@ -186,7 +186,9 @@ async def _run(args: argparse.Namespace) -> int:
                 ports += await _wait_ports(proc)
             store = Datastore()
             store.set_endpoints(Endpoint(f"pod-{p}", "127.0.0.1", p) for p in ports)
-            base = ScrapeOptions(interval_s=args.interval, timeout_s=1.0)
+            base = ScrapeOptions(interval_s=args.interval, timeout_s=1.0,
+                                 max_concurrency=args.concurrency,
+                                 max_loop_lag_s=args.max_loop_lag)
             results = [await _phase("idle (no scraping)", store, None, 0.5, args.duration)]
             results.append(await _phase("raw (no load shedding)", store,
                                         dataclasses.replace(base, max_loop_lag_s=None),
@@ -200,7 +202,8 @@ async def _run(args: argparse.Namespace) -> int:
     print(f"{args.endpoints} endpoints × {args.interval * 1e3:g} ms interval (target "
           f"{args.endpoints / args.interval:.0f} scrapes/s), body {size / 1024:.1f} KiB, "
           f"{args.duration:g} s per phase, {os.cpu_count()} CPUs, "
-          f"{args.server_procs} server process(es)")
+          f"{args.server_procs} server process(es), concurrency {args.concurrency}, "
+          f"governed max_loop_lag {args.max_loop_lag * 1e3:g} ms")
     print("| phase | lag p50 ms | lag p99 ms | lag max ms | scrapes/s | interval/endpoint ms "
           "| effective interval ms | CPU % | commits/s |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -222,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--body", type=Path, default=FIXTURE)
     parser.add_argument("--server-procs", type=int, default=1)
+    parser.add_argument("--concurrency", type=int, default=ScrapeOptions.max_concurrency,
+                        help="scraper max_concurrency (default: the scraper's default)")
+    parser.add_argument("--max-loop-lag", type=float, default=ScrapeOptions.max_loop_lag_s,
+                        help="governed phase: max_loop_lag_s (default: the scraper's default)")
     args = parser.parse_args(argv)
     if args.cmd == "serve":
         try:

@@ -44,9 +44,9 @@ and make every scheduling cycle rebuild it. Two measures bound it:
    size, at the price of up to 10 ms of extra signal delay.
 
 Never starve the loop. Scraping is background work sharing the loop that answers Envoy.
-With ``max_loop_lag_s`` set (default 2 ms), a probe measures how late a 10 ms timer
-fires; when the mean lateness over half a second is above the target the effective
-interval is stretched (×1.5, up to ``max_interval_s``, default ``threshold / 4``) and it
+With ``max_loop_lag_s`` set (default 4 ms), a probe measures how late a 10 ms timer
+fires; when the 90th percentile of that lateness over half a second is above the target
+the effective interval is stretched (×1.5, up to ``max_interval_s``, default ``threshold / 4``) and it
 creeps back (×0.9) once the lag is under half the target. The scraper thus uses what the loop can spare, and
 :attr:`effective_interval` and the exported gauges say what it achieved.
 """
@@ -93,7 +93,7 @@ class ScrapeOptions:
     commit_interval_s: float = 0.01
     freshness_resolution_s: float | None = None
     max_body_bytes: int = 16 << 20
-    max_loop_lag_s: float | None = 0.002
+    max_loop_lag_s: float | None = 0.004
     max_interval_s: float | None = None
     lag_probe_period_s: float = 0.01
 
@@ -161,11 +161,12 @@ class _LagGovernor:
     """Stretches the scrape interval while the event loop runs late (see module doc).
 
     Every ``period`` it sleeps ``period`` and records how late it woke; every ``window``
-    seconds it compares the *mean* lateness with ``target`` (the mean, not the max, so
-    one GC pause or a noisy neighbour does not halve the scrape rate): above it, the
-    interval grows ×1.5 (at most ``ceiling``); under half of it, the interval shrinks
-    ×0.9 (at least ``base``). Multiplicative both ways: it backs off fast and returns
-    slowly, so it settles where the loop keeps its target headroom.
+    seconds it compares the 90th percentile of those delays with ``target`` (a high
+    percentile, not the max, so one GC pause or a noisy neighbour does not halve the
+    scrape rate; not the mean, which stays low while bursts already hurt the tail): above
+    it, the interval grows ×1.5 (at most ``ceiling``); under half of it, the interval
+    shrinks ×0.9 (at least ``base``). Multiplicative both ways: it backs off fast and
+    returns slowly, so it settles where the loop keeps its target headroom.
     """
 
     def __init__(self, base: float, ceiling: float, target: float, period: float,
@@ -181,27 +182,27 @@ class _LagGovernor:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         window_start = loop.time()
-        total, count = 0.0, 0
+        lags: list[float] = []
         while True:
             t0 = loop.time()
             await asyncio.sleep(self.period)
             now = loop.time()
-            total += max(0.0, now - t0 - self.period)
-            count += 1
+            lags.append(max(0.0, now - t0 - self.period))
             if now - window_start >= self.window:
-                self.adjust(total / count)
-                window_start, total, count = now, 0.0, 0
+                lags.sort()
+                self.adjust(lags[int(0.9 * (len(lags) - 1))])
+                window_start, lags = now, []
 
-    def adjust(self, mean_lag: float) -> None:
-        self.last_lag = mean_lag
+    def adjust(self, lag: float) -> None:
+        self.last_lag = lag
         old = self.interval
-        if mean_lag > self.target:
+        if lag > self.target:
             self.interval = min(self.ceiling, self.interval * 1.5)
-        elif mean_lag < self.target / 2 and self.interval > self.base:
+        elif lag < self.target / 2 and self.interval > self.base:
             self.interval = max(self.base, self.interval * 0.9)
         if self.interval != old and (self.interval == self.ceiling or self.interval == self.base):
-            log.info("metrics scrape interval now %.0f ms (mean loop lag %.1f ms, target "
-                     "%.1f ms)", self.interval * 1e3, mean_lag * 1e3, self.target * 1e3)
+            log.info("metrics scrape interval now %.0f ms (p90 loop lag %.1f ms, target "
+                     "%.1f ms)", self.interval * 1e3, lag * 1e3, self.target * 1e3)
 
 
 class MetricsScraper:
@@ -292,7 +293,7 @@ class MetricsScraper:
 
     @property
     def loop_lag(self) -> float:
-        """The mean timer lateness in the governor's last window (0 without a governor)."""
+        """The p90 timer lateness in the governor's last window (0 without a governor)."""
         return self._governor.last_lag if self._governor is not None else 0.0
 
     def scraping(self) -> list[str]:

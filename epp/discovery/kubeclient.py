@@ -98,7 +98,7 @@ class KubeApi:
         if self._loader is not None:
             try:
                 await self._loader.load_and_set(self._client.configuration)
-            except Exception as e:  # a broken auth plugin must not kill the watcher
+            except Exception as e:  # noqa: BLE001 - a broken auth plugin must not kill the watcher
                 log.warning("could not refresh Kubernetes credentials: %s", e)
 
     async def _call(self, method: str, path: str, query: Query | None, body: Any,
@@ -190,14 +190,15 @@ async def connect(kubeconfig: str | None = None, context: str | None = None) -> 
     # Imported here: kubernetes-asyncio takes ~0.5 s to import, and only the Kubernetes
     # endpoint sources need it.
     from kubernetes_asyncio.client import ApiClient, Configuration
-    from kubernetes_asyncio.config import ConfigException, load_incluster_config
+    from kubernetes_asyncio.config import ConfigException
+    from kubernetes_asyncio.config.incluster_config import load_incluster_config
     from kubernetes_asyncio.config.kube_config import load_kube_config
 
     cfg = Configuration()
     loader: Any = None
     if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
         try:
-            load_incluster_config(client_configuration=cfg)
+            load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
         except ConfigException as e:
             raise ConfigError(f"in-cluster Kubernetes config: {e}") from e
         describe = "in-cluster service account"

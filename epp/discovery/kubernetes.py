@@ -39,8 +39,7 @@ from typing import Any
 
 from epp import keys
 from epp.datastore.store import Datastore
-from epp.discovery.kubeclient import (ACCEPT_METADATA, ACCEPT_METADATA_LIST, JsonObj,
-                                      KubeApi)
+from epp.discovery.kubeclient import ACCEPT_METADATA, ACCEPT_METADATA_LIST, JsonObj, KubeApi
 from epp.discovery.reflector import Reflector, ReflectorOptions
 from epp.errors import ConfigError
 from epp.scheduling.types import Endpoint

@@ -26,16 +26,21 @@ from epp.datalayer.engines import EngineMappings, MappingOverrides
 from epp.datalayer.scraper import MetricsScraper, ScrapeOptions, ScraperCollector
 from epp.datastore.store import Datastore
 from epp.discovery.kubeclient import KubeApi, connect
-from epp.discovery.kubernetes import (KubernetesOptions, KubernetesSource, PoolSpec,
-                                      parse_selector, parse_target_ports, resolve_namespace)
+from epp.discovery.kubernetes import (
+    KubernetesOptions,
+    KubernetesSource,
+    PoolSpec,
+    parse_selector,
+    parse_target_ports,
+    resolve_namespace,
+)
 from epp.discovery.reflector import ReflectorOptions
 from epp.discovery.static import StaticFileSource, parse_endpoints_arg
 from epp.errors import ConfigError
 from epp.handlers.extproc import ExtProcServicer
 from epp.observability.metrics import EppMetrics
 from epp.requestcontrol.director import Director
-from epp.server.leader import (LeaderElectionOptions, LeaderElector, default_identity,
-                               lease_name)
+from epp.server.leader import LeaderElectionOptions, LeaderElector, default_identity, lease_name
 from epp.server.tls import load_key_pair, self_signed_key_pair
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
@@ -197,7 +197,7 @@ class LeaderElector:
         """One client-go ``tryAcquireOrRenew``: True when this replica holds the Lease."""
         o = self.options
         timeout = max(0.5, min(o.retry_period_s * 2, o.renew_deadline_s))
-        now = _micro_time(datetime.now(timezone.utc))
+        now = _micro_time(datetime.now(UTC))
         try:
             status, lease = await self.api.request("GET", self._item_path, timeout_s=timeout)
             if status == 404:
@@ -256,7 +256,7 @@ class LeaderElector:
         lease = self._lease
         if lease is None or self._holder() != self.options.identity:
             return
-        now = _micro_time(datetime.now(timezone.utc))
+        now = _micro_time(datetime.now(UTC))
         spec = dict(lease.get("spec") or {})
         spec.update(holderIdentity="", leaseDurationSeconds=1, renewTime=now,
                     acquireTime=now)

@@ -13,10 +13,20 @@ import pytest_asyncio
 from epp import keys
 from epp.datastore.store import Datastore
 from epp.discovery.kubeclient import KubeApi, connect
-from epp.discovery.kubernetes import (KubernetesOptions, KubernetesSource, PodInfo, PoolSpec,
-                                      active_ports, build_endpoints, parse_pool,
-                                      parse_selector, parse_target_ports, pod_info,
-                                      pool_api_path, resolve_namespace)
+from epp.discovery.kubernetes import (
+    KubernetesOptions,
+    KubernetesSource,
+    PodInfo,
+    PoolSpec,
+    active_ports,
+    build_endpoints,
+    parse_pool,
+    parse_selector,
+    parse_target_ports,
+    pod_info,
+    pool_api_path,
+    resolve_namespace,
+)
 from epp.discovery.reflector import Reflector, ReflectorOptions
 from epp.errors import ConfigError
 from tests.k8s_fake import FakeApiServer

@@ -1,1 +1,2 @@
-"""Endpoint discovery: the static list/file, and (later) Kubernetes."""
+"""Endpoint discovery: the static list/file (static.py) and Kubernetes (kubernetes.py:
+InferencePool or standalone selector, Pods and Nodes over list+watch)."""

@@ -1,4 +1,4 @@
-"""Command line: ``epp serve | check-config | sim | demo``."""
+"""Command line: ``epp serve | check-config | sim | demo | bench``."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ from epp.errors import ConfigError
 log = logging.getLogger("epp")
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _setup_logging(level: str, fmt: str = "text") -> None:
+    from epp.observability.logging import setup_logging
+
+    setup_logging(level, fmt)
 
 
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -44,8 +45,27 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY,
                    help=f"reject larger request bodies with 413 (default {DEFAULT_MAX_BODY})")
     p.add_argument("--log-level", default="info",
-                   choices=["debug", "info", "warning", "error"], help="log level (default info)")
+                   choices=["debug", "info", "warning", "error"],
+                   help="log level (default info; per-request lines are logged at debug)")
     _add_metrics_flags(p)
+    _add_observability_flags(p)
+
+
+def _add_observability_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("observability (see docs/observability.md)")
+    g.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="log line format (default text)")
+    g.add_argument("--metrics-endpoint-auth", metavar="TOKEN_FILE", default=None,
+                   help="require 'Authorization: Bearer <token>' on /metrics and /debug/*, "
+                   "the token read from this file; 'false' (GIE's form) means off "
+                   "(default: no auth)")
+    g.add_argument("--enable-explain-header", action="store_true",
+                   help="answer a client's 'x-epp-explain: true' with the decision (per-profile, "
+                   "per-plugin scores, dropped endpoints) as JSON in the 'x-epp-explain' "
+                   "response header (default off: clients never see it)")
+    g.add_argument("--explain-history", type=int, default=0, metavar="N",
+                   help="keep the last N decisions, explained, for GET /debug/decisions on the "
+                   "metrics port (default 0: off)")
 
 
 def _add_kubernetes_flags(p: argparse.ArgumentParser) -> None:
@@ -124,9 +144,9 @@ def _add_metrics_flags(p: argparse.ArgumentParser) -> None:
                    help="per-poll timeout (default 1s)")
     g.add_argument("--metrics-scrape-concurrency", type=int, default=64, metavar="N",
                    help="at most N scrapes in flight at once (default 64)")
-    g.add_argument("--metrics-max-loop-lag", type=_duration, default=0.002, metavar="DUR",
-                   help="stretch the scrape interval while the event loop's mean lag is "
-                   "above this (default 2ms; 0 disables)")
+    g.add_argument("--metrics-max-loop-lag", type=_duration, default=0.003, metavar="DUR",
+                   help="stretch the scrape interval while the event loop's p90 lag is "
+                   "above this (default 3ms; 0 disables)")
     g.add_argument("--model-server-metrics-scheme", default="http", choices=["http", "https"],
                    help="scheme for scraping (default http)")
     g.add_argument("--model-server-metrics-path", default="/metrics",
@@ -191,6 +211,19 @@ def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    choices=["debug", "info", "warning", "error"])
 
 
+def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from epp.bench.quality import add_arguments
+
+    p = sub.add_parser("bench", help="routing quality: one workload through the EPP and "
+                       "other routers, side by side (see docs/benchmarks.md)",
+                       description="Play one open-loop workload (Poisson arrivals) through "
+                       "this EPP behind Envoy, Envoy round robin, Envoy random and "
+                       "sglang-router cache_aware, each with fresh simulated pods; report "
+                       "TTFT, latency, prefix-cache hit rate against the offline ceiling, "
+                       "throughput, errors and per-pod share (table, JSON, PNG).")
+    add_arguments(p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epp", description="Endpoint picker for LLM "
                                      "inference gateways (Envoy ext_proc).")
@@ -200,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_check_config(sub)
     _add_sim(sub)
     _add_demo(sub)
+    _add_bench(sub)
     return parser
 
 
@@ -208,7 +242,30 @@ def _serve(args: argparse.Namespace) -> int:
     from epp.datalayer.scraper import ScrapeOptions
     from epp.server.app import ServeOptions, StartupError, serve_forever
 
-    _setup_logging(args.log_level)
+    _setup_logging(args.log_level, args.log_format)
+    token = None
+    auth = args.metrics_endpoint_auth
+    if auth is not None and auth.strip().lower() in ("false", "0", "no", "f"):
+        auth = None  # GIE's boolean form, turned off
+    elif auth is not None and auth.strip().lower() in ("true", "1", "yes", "t"):
+        print("epp: error: --metrics-endpoint-auth takes a file holding the bearer token "
+              "(GIE's Kubernetes TokenReview auth is not implemented)", file=sys.stderr)
+        return 1
+    args.metrics_endpoint_auth = auth
+    if args.metrics_endpoint_auth is not None:
+        try:
+            token = open(args.metrics_endpoint_auth, encoding="utf-8").read().strip()
+        except OSError as e:
+            print(f"epp: error: --metrics-endpoint-auth: cannot read {args.metrics_endpoint_auth}:"
+                  f" {e.strerror or e}", file=sys.stderr)
+            return 1
+        if not token:
+            print(f"epp: error: --metrics-endpoint-auth: {args.metrics_endpoint_auth} is empty",
+                  file=sys.stderr)
+            return 1
+    if args.explain_history < 0:
+        print("epp: error: --explain-history must be >= 0", file=sys.stderr)
+        return 1
     opts = ServeOptions(
         grpc_port=args.grpc_port, grpc_health_port=args.grpc_health_port,
         metrics_port=args.metrics_port, bind_address=args.bind_address,
@@ -242,6 +299,9 @@ def _serve(args: argparse.Namespace) -> int:
             lora_info=args.lora_info_metric,
             cache_info=args.cache_info_metric,
         ),
+        enable_explain_header=args.enable_explain_header,
+        explain_history=args.explain_history,
+        metrics_auth_token=token,
     )
 
     async def main() -> None:
@@ -293,6 +353,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(args)
     if args.command == "check-config":
         return _check_config(args)
+    if args.command == "bench":
+        from epp.bench.quality import main as bench_main
+
+        _setup_logging("warning")
+        return bench_main(args)
     if args.command == "demo":
         from epp.stack.demo import run_demo
 

@@ -17,6 +17,8 @@ HEADER_OBJECTIVE: Final = "x-gateway-inference-objective"
 HEADER_FAIRNESS_ID: Final = "x-gateway-inference-fairness-id"
 HEADER_MODEL_REWRITE: Final = "x-gateway-model-name-rewrite"
 HEADER_SESSION_TOKEN: Final = "x-session-token"
+HEADER_EXPLAIN: Final = "x-epp-explain"  # request: ask for it; response: the decision JSON
+HEADER_TRACEPARENT: Final = "traceparent"
 
 # --- Routing headers (output; never accepted from clients) ---
 HEADER_DESTINATION: Final = "x-gateway-destination-endpoint"
@@ -53,7 +55,11 @@ LABEL_GROVE_BASE_PODGANG: Final = "grove.io/base-podgang"
 LABEL_GROVE_PCSG: Final = "grove.io/podcliquescalinggroup"
 LABEL_GROVE_PCSG_REPLICA: Final = "grove.io/podcliquescalinggroup-replica-index"
 LABEL_GROVE_POD_INDEX: Final = "grove.io/podclique-pod-index"
+LABEL_GROVE_PCSG_POD_INDEX: Final = "grove.io/podcliquescalinggroup-pod-index"
 LABEL_PART_OF: Final = "app.kubernetes.io/part-of"
+
+# --- LeaderWorkerSet pod label (multi-node groups; the leader is worker 0) ---
+LABEL_LWS_WORKER_INDEX: Final = "leaderworkerset.sigs.k8s.io/worker-index"
 
 # --- Node topology labels ---
 LABEL_HOSTNAME: Final = "kubernetes.io/hostname"

@@ -8,6 +8,7 @@ completions so time-to-first-token (TTFT) is measured at the client; usage
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ import orjson
 from epp.bench.workload import Workload
 
 SERVER_HEADER = "x-sim-server"
+_CONTENT = re.compile(rb'"content":"[^"]')
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +89,33 @@ def _parse_sse(raw: bytes) -> tuple[str, int, int]:
     return "".join(text), prompt, cached
 
 
+async def stream_chat(session: aiohttp.ClientSession, endpoint: str,
+                      body: dict[str, object]) -> tuple[Result, str]:
+    """POST one streamed chat completion; (result, answer text). Never raises for HTTP or
+    connection errors: they come back as a :class:`Result` with ``status``/``error``."""
+    t0 = time.monotonic()
+    ttft = 0.0
+    try:
+        async with session.post(endpoint, data=orjson.dumps(body),
+                                headers={"content-type": "application/json"}) as r:
+            server = r.headers.get(SERVER_HEADER, "?")
+            if r.status != 200:
+                await r.read()
+                return Result(r.status, server, 0.0, time.monotonic() - t0), ""
+            chunks = []
+            async for chunk in r.content.iter_any():
+                # The first non-empty content (the role-only chunk, content "", may
+                # arrive in the same read as the first token).
+                if not ttft and _CONTENT.search(chunk):
+                    ttft = time.monotonic() - t0
+                chunks.append(chunk)
+            answer, prompt, cached = _parse_sse(b"".join(chunks))
+            lat = time.monotonic() - t0
+            return Result(200, server, ttft or lat, lat, prompt, cached), answer
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        return Result(0, "", 0.0, time.monotonic() - t0, error=type(e).__name__), ""
+
+
 async def run(url: str, workload: Workload, *, label: str, concurrency: int,
               max_requests: int, duration_s: float,
               progress: Callable[[Report], None] | None = None,
@@ -98,33 +127,12 @@ async def run(url: str, workload: Workload, *, label: str, concurrency: int,
     deadline = start + duration_s
     budget = max_requests
 
-    async def one(session: aiohttp.ClientSession, body: dict[str, object]) -> tuple[Result, str]:
-        t0 = time.monotonic()
-        ttft = 0.0
-        try:
-            async with session.post(endpoint, data=orjson.dumps(body),
-                                    headers={"content-type": "application/json"}) as r:
-                server = r.headers.get(SERVER_HEADER, "?")
-                if r.status != 200:
-                    await r.read()
-                    return Result(r.status, server, 0.0, time.monotonic() - t0), ""
-                chunks = []
-                async for chunk in r.content.iter_any():
-                    if not ttft and b'"content":"' in chunk and b'"content":""' not in chunk:
-                        ttft = time.monotonic() - t0
-                    chunks.append(chunk)
-                answer, prompt, cached = _parse_sse(b"".join(chunks))
-                lat = time.monotonic() - t0
-                return Result(200, server, ttft or lat, lat, prompt, cached), answer
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            return Result(0, "", 0.0, time.monotonic() - t0, error=type(e).__name__), ""
-
     async def worker(session: aiohttp.ClientSession) -> None:
         nonlocal budget
         conv = workload.new_conversation()
         while budget > 0 and time.monotonic() < deadline:
             budget -= 1
-            result, answer = await one(session, workload.next_turn(conv))
+            result, answer = await stream_chat(session, endpoint, workload.next_turn(conv))
             report.results.append(result)
             if not result.error and result.status == 200 and workload.record_answer(conv, answer):
                 continue

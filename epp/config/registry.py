@@ -100,6 +100,7 @@ def default_registry() -> Registry:
         pd.DisaggHeadersHandler,
         roles.DecodeFilter,
         roles.PrefillFilter,
+        roles.LeaderFilter,
         topology.TopologyAffinityScorer,
         pickers.WeightedRandomPicker,
         lora.LoraAffinityScorer,

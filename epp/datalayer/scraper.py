@@ -44,11 +44,13 @@ and make every scheduling cycle rebuild it. Two measures bound it:
    size, at the price of up to 10 ms of extra signal delay.
 
 Never starve the loop. Scraping is background work sharing the loop that answers Envoy.
-With ``max_loop_lag_s`` set (default 4 ms), a probe measures how late a 10 ms timer
+With ``max_loop_lag_s`` set (default 3 ms), a probe measures how late a 10 ms timer
 fires; when the 90th percentile of that lateness over half a second is above the target
-the effective interval is stretched (×1.5, up to ``max_interval_s``, default ``threshold / 4``) and it
-creeps back (×0.9) once the lag is under half the target. The scraper thus uses what the loop can spare, and
-:attr:`effective_interval` and the exported gauges say what it achieved.
+the effective interval is stretched (×1.5, up to ``max_interval_s``, default
+``threshold / 4``) and it creeps back (×0.9) once the lag is under 3/4 of the target.
+The scraper thus uses what the loop can spare — less when requests keep the loop busy
+or the machine is contended — and :attr:`effective_interval` and the exported gauges
+say what it achieved (docs/benchmarks.md has the numbers).
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ class ScrapeOptions:
     commit_interval_s: float = 0.01
     freshness_resolution_s: float | None = None
     max_body_bytes: int = 16 << 20
-    max_loop_lag_s: float | None = 0.004
+    max_loop_lag_s: float | None = 0.003
     max_interval_s: float | None = None
     lag_probe_period_s: float = 0.01
 
@@ -164,9 +166,9 @@ class _LagGovernor:
     seconds it compares the 90th percentile of those delays with ``target`` (a high
     percentile, not the max, so one GC pause or a noisy neighbour does not halve the
     scrape rate; not the mean, which stays low while bursts already hurt the tail): above
-    it, the interval grows ×1.5 (at most ``ceiling``); under half of it, the interval
+    it, the interval grows ×1.5 (at most ``ceiling``); under 3/4 of it, the interval
     shrinks ×0.9 (at least ``base``). Multiplicative both ways: it backs off fast and
-    returns slowly, so it settles where the loop keeps its target headroom.
+    returns slowly, so it settles where the loop's p90 lag sits just under the target.
     """
 
     def __init__(self, base: float, ceiling: float, target: float, period: float,
@@ -198,7 +200,7 @@ class _LagGovernor:
         old = self.interval
         if lag > self.target:
             self.interval = min(self.ceiling, self.interval * 1.5)
-        elif lag < self.target / 2 and self.interval > self.base:
+        elif lag < self.target * 0.75 and self.interval > self.base:
             self.interval = max(self.base, self.interval * 0.9)
         if self.interval != old and (self.interval == self.ceiling or self.interval == self.base):
             log.info("metrics scrape interval now %.0f ms (p90 loop lag %.1f ms, target "

@@ -20,7 +20,7 @@ over after it: a stream never crashes.
 from __future__ import annotations
 
 import logging
-from typing import Any, AsyncIterator, Mapping, Sequence
+from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 import grpc
 import orjson
@@ -166,6 +166,7 @@ class ExtProcStream:
         except Exception:
             log.exception("ext_proc handler error (%s)", kind)
             if not self._routed:
+                self._director.on_rejected(self._headers, 500)
                 return self._reject(500, "internal error in the endpoint picker", "internal_error")
             return self._passthrough(msg, kind)
         return []
@@ -196,6 +197,7 @@ class ExtProcStream:
         data = body.body
         self._size += len(data)
         if self._size > self._max_body:
+            self._director.on_rejected(self._headers, 413)
             raise BodyTooLarge(f"request body exceeds the limit of {self._max_body} bytes")
         if data:
             self._chunks.append(data)
@@ -328,17 +330,30 @@ class ExtProcStream:
         except Exception:
             log.exception("director on_done failed")
 
-    def finish(self) -> None:
-        """The gRPC stream ended; a routed request without a complete response was aborted."""
+    def finish(self) -> str:
+        """The gRPC stream ended; a routed request without a complete response was aborted.
+
+        Returns the stream's outcome: ``rejected`` (an ImmediateResponse was sent),
+        ``completed`` (the response ended) or ``aborted`` (the stream ended first).
+        """
+        if self.closed:
+            outcome = "rejected"
+        elif self._done_reported:
+            outcome = "completed"
+        else:
+            outcome = "aborted"
         self._report_done(aborted=True)
+        return outcome
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     """Binds :class:`ExtProcStream` to grpc.aio bidirectional streams."""
 
-    def __init__(self, director: RequestDirector, max_body_bytes: int) -> None:
+    def __init__(self, director: RequestDirector, max_body_bytes: int,
+                 on_stream_end: Callable[[str], None] | None = None) -> None:
         self._director = director
         self._max_body = max_body_bytes
+        self._on_stream_end = on_stream_end
 
     async def Process(  # noqa: N802 (gRPC method name)
         self,
@@ -353,4 +368,6 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 if stream.closed:
                     return
         finally:
-            stream.finish()
+            outcome = stream.finish()
+            if self._on_stream_end is not None:
+                self._on_stream_end(outcome)

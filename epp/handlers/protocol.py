@@ -58,3 +58,7 @@ class RequestDirector(Protocol):
     def on_done(self, context: Any, aborted: bool) -> None:
         """Called exactly once per routed request: response complete, or stream aborted."""
         ...
+
+    def on_rejected(self, headers: Mapping[str, str], status: int) -> None:
+        """The handler rejected a request without routing it (e.g. 413, or its own 500)."""
+        ...

@@ -7,15 +7,17 @@ datastore when scraped, costing nothing per request.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from epp import __version__
+from epp import __version__, keys
 from epp.datastore.store import Datastore
 from epp.scheduling.interfaces import Plugin
+from epp.scheduling.plugins.roles import endpoint_role
+from epp.scheduling.types import Endpoint
 
 _LATENCY_BUCKETS = (0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.25, 1.5, 2, 3, 4, 5,
                     6, 8, 10, 15, 20, 30, 45, 60, 120, 180, 240, 300, 360, 480, 600, 900,
@@ -52,7 +54,37 @@ class _PoolCollector(Collector):
         ready.add_metric([self._pool], n)
         for e in eps:
             per_pod.add_metric([self._pool, e.name], e.metrics.waiting_queue_size)
-        return [kv, q, ready, per_pod]
+        return [kv, q, ready, per_pod, *self._per_role(eps)]
+
+    def _per_role(self, eps: Sequence[Endpoint]) -> list[GaugeMetricFamily]:
+        """P/D signals for autoscaling each role's pods (e.g. a Grove PodClique): the
+        average queue and KV use of the pods of each role (``llm-d.ai/role``, else Dynamo's
+        sub-component type; lower-cased; ``unlabelled`` when absent). The ``prefill`` and
+        ``decode`` series are always exported (0 pods: averages 0)."""
+        groups: dict[str, list[Endpoint]] = {keys.ROLE_PREFILL: [], keys.ROLE_DECODE: []}
+        for e in eps:
+            groups.setdefault(endpoint_role(e, keys.LABEL_ROLE) or "unlabelled", []).append(e)
+        q = GaugeMetricFamily("epp_role_average_queue_size",
+                              "Average number of requests waiting in the model-server queue, "
+                              "over the pool's pods of each P/D role.", labels=["name", "role"])
+        kv = GaugeMetricFamily("epp_role_average_kv_cache_utilization",
+                               "Average KV-cache utilization (0..1) over the pool's pods of "
+                               "each P/D role.", labels=["name", "role"])
+        running = GaugeMetricFamily("epp_role_average_running_requests",
+                                    "Average number of running requests over the pool's pods "
+                                    "of each P/D role.", labels=["name", "role"])
+        ready = GaugeMetricFamily("epp_role_ready_pods",
+                                  "Number of ready pods of each P/D role in the pool.",
+                                  labels=["name", "role"])
+        for role, members in sorted(groups.items()):
+            m = len(members)
+            lab = [self._pool, role]
+            q.add_metric(lab, sum(e.metrics.waiting_queue_size for e in members) / m if m else 0)
+            kv.add_metric(lab, sum(e.metrics.kv_cache_usage for e in members) / m if m else 0)
+            running.add_metric(lab, sum(e.metrics.running_requests for e in members) / m
+                               if m else 0)
+            ready.add_metric(lab, m)
+        return [q, kv, running, ready]
 
 
 class EppMetrics:
@@ -101,6 +133,11 @@ class EppMetrics:
             "epp_pd_decisions_total",
             "Prefill/decode decisions of a disaggregating profile handler, by type "
             "(disaggregated, decode-only).", ["decision_type"], registry=r)
+        self.extproc_streams = Counter(
+            "epp_extproc_streams_total",
+            "ext_proc streams by outcome: completed (response ended), rejected (answered "
+            "with an error), aborted (the stream ended before the response did).",
+            ["outcome"], registry=r)
         info = Info("inference_extension", "General information of the current build of the "
                     "endpoint picker.", registry=r)
         info.info({"commit": "", "build_ref": __version__})

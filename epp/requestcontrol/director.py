@@ -21,6 +21,7 @@ from epp import keys
 from epp.datastore.store import Datastore
 from epp.errors import EppError, ServiceUnavailable
 from epp.handlers.protocol import Routing
+from epp.observability.explain import DecisionLog, header_value, new_record
 from epp.observability.metrics import EppMetrics
 from epp.parsing.request import ParsedRequest, api_type_for_path, parse_request_body, rewrite_model
 from epp.parsing.usage import UsageParser
@@ -46,6 +47,7 @@ class RequestContext:
     status: int = 0
     usage: UsageParser | None = None
     model_back: tuple[bytes, bytes, bytes, bytes] | None = None  # rewrite-back patterns
+    explain: str | None = None  # decision JSON for the x-epp-explain response header
 
 
 class Director:
@@ -58,6 +60,8 @@ class Director:
         response_complete: Sequence[ResponseComplete] = (),
         request_headers: Sequence[RequestHeaders] = (),
         response_headers: Sequence[ResponseHeaders] = (),
+        explain_header: bool = False,
+        decisions: DecisionLog | None = None,
     ) -> None:
         self.store = store
         self.scheduler = scheduler
@@ -66,6 +70,8 @@ class Director:
         self.response_complete = tuple(response_complete)
         self.request_headers = tuple(request_headers)
         self.response_headers = tuple(response_headers)
+        self.explain_header = explain_header
+        self.decisions = decisions
         # P/D handlers classify each decision ("disaggregated" / "decode-only").
         self._pd_decision = getattr(scheduler.handler, "decision", None)
 
@@ -77,6 +83,7 @@ class Director:
         subset: Sequence[str] | None,
     ) -> Routing:
         incoming = target = ""
+        record: dict[str, Any] | None = None
         try:
             request, parsed = self._build_request(headers, body, has_body)
             incoming, target = request.incoming_model, request.target_model
@@ -90,12 +97,24 @@ class Director:
                         f"({', '.join(subset) or 'empty'})")
             if not candidates:
                 raise ServiceUnavailable("no ready endpoints in the pool")
+            if self._explain_wanted(headers):
+                record = new_record(request.request_id, incoming, target, len(candidates))
             t0 = time.perf_counter()
-            result = self.scheduler.schedule(request, candidates)
+            result = self.scheduler.schedule(
+                request, candidates, None if record is None else record["profiles"])
             self.metrics.scheduler_e2e.observe(time.perf_counter() - t0)
         except EppError as e:
             self.metrics.request_error_total.labels(incoming, target, str(e.status)).inc()
+            if record is not None:
+                record["error"] = {"status": e.status, "message": e.message}
+                self._keep(record)
             raise
+        except Exception as e:
+            # A plugin bug: answer 500 (the handler turns EppError into an ImmediateResponse)
+            # and count it like any other error.
+            log.exception("scheduling failed")
+            self.metrics.request_error_total.labels(incoming, target, "500").inc()
+            raise EppError("internal error in the endpoint picker") from e
 
         primary = result.primary.endpoints
         for plugin in self.pre_request:
@@ -109,16 +128,42 @@ class Director:
             set_headers[keys.HEADER_REQUEST_ID] = request.request_id
         new_body = None
         ctx = RequestContext(request, primary[0].key, time.monotonic())
+        if record is not None:
+            record["primary_profile"] = result.primary_profile
+            record["destination"] = ",".join(e.key for e in primary)
+            if set_headers:
+                record["headers"] = dict(set_headers)
+            self._keep(record)
+            if headers.get(keys.HEADER_EXPLAIN, "").lower() in ("1", "true", "yes"):
+                ctx.explain = header_value(record)
         if parsed is not None and target != incoming:
             new_body = rewrite_model(parsed.data, target)
             ctx.model_back = _model_patterns(target, incoming)
         self.metrics.request_total.labels(incoming, target).inc()
         self.metrics.running_requests.labels(incoming).inc()
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("request %s model=%s -> %s", request.request_id, target,
-                      [e.key for e in primary])
+            log.debug("routed", extra={"request_id": request.request_id, "model": incoming,
+                                       "target_model": target,
+                                       "endpoints": [e.key for e in primary],
+                                       "profiles": {n: (r.endpoints[0].key if r else None)
+                                                    for n, r in result.profile_results.items()},
+                                       "scheduling_ms": round(1000 * (time.perf_counter() - t0), 3)})
         return Routing(destination=",".join(e.key for e in primary), set_headers=set_headers,
                        body=new_body, context=ctx)
+
+    def _explain_wanted(self, headers: Mapping[str, str]) -> bool:
+        if self.decisions is not None:
+            return True
+        return self.explain_header and headers.get(keys.HEADER_EXPLAIN, "").lower() in (
+            "1", "true", "yes")
+
+    def _keep(self, record: dict[str, Any]) -> None:
+        if self.decisions is not None:
+            self.decisions.add(record)
+
+    def on_rejected(self, headers: Mapping[str, str], status: int) -> None:
+        """The wire layer rejected the request itself (e.g. 413 before parsing)."""
+        self.metrics.request_error_total.labels("", "", str(status)).inc()
 
     def _build_request(self, headers: Mapping[str, str], body: bytes,
                        has_body: bool) -> tuple[LLMRequest, ParsedRequest | None]:
@@ -156,6 +201,8 @@ class Director:
         ctype = headers.get(keys.HEADER_CONTENT_TYPE, "")
         ctx.usage = UsageParser(sse=ctype.startswith(keys.CONTENT_TYPE_SSE))
         out: dict[str, str] = {}
+        if ctx.explain is not None:
+            out[keys.HEADER_EXPLAIN] = ctx.explain
         for plugin in self.response_headers:
             try:
                 extra = plugin.response_headers(ctx.request, ctx.endpoint_key, status, headers)

@@ -9,7 +9,7 @@ into a :class:`SchedulingResult` naming the primary profile.
 from __future__ import annotations
 
 import time
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from epp.errors import EppError
 from epp.scheduling.interfaces import Filter, Picker, Plugin, PluginTimer, ProfileHandler, Scorer
@@ -23,6 +23,10 @@ from epp.scheduling.types import (
 )
 
 MAX_CYCLES = 16
+
+# CycleState key: when set to a dict, profiles record why each endpoint was kept, dropped
+# and scored (the explain feature). Absent, nothing is recorded and nothing is paid.
+EXPLAIN_KEY = "epp.explain"
 
 
 def _no_timer(extension_point: str, plugin: Plugin, seconds: float) -> None:
@@ -50,6 +54,9 @@ class SchedulerProfile:
         self, state: CycleState, request: LLMRequest, candidates: Sequence[Endpoint]
     ) -> ProfileRunResult | None:
         """Run the profile; ``None`` when the filters leave no endpoint."""
+        explain = state.get(EXPLAIN_KEY)
+        if explain is not None:
+            return self._run_explained(state, request, candidates, explain)
         timer = self._timer
         endpoints: Sequence[Endpoint] = candidates
         for f in self.filters:
@@ -61,20 +68,63 @@ class SchedulerProfile:
         totals = [0.0] * len(endpoints)
         for scorer, weight in self.scorers:
             t0 = time.perf_counter()
-            scores = scorer.score(state, request, endpoints)
+            scores = self._scores(scorer, state, request, endpoints)
             timer("Scorer", scorer, time.perf_counter() - t0)
-            if len(scores) != len(endpoints):
-                raise EppError(
-                    f"scorer {scorer.name!r} returned {len(scores)} scores for "
-                    f"{len(endpoints)} endpoints"
-                )
             for i, s in enumerate(scores):
-                # Clamp: a misbehaving scorer must not outweigh the others.
-                totals[i] += weight * (0.0 if s < 0.0 else 1.0 if s > 1.0 else s)
+                totals[i] += weight * s
         scored = [ScoredEndpoint(e, t) for e, t in zip(endpoints, totals)]
         t0 = time.perf_counter()
         result = self.picker.pick(state, scored)
         timer("Picker", self.picker, time.perf_counter() - t0)
+        return result
+
+    @staticmethod
+    def _scores(scorer: Scorer, state: CycleState, request: LLMRequest,
+                endpoints: Sequence[Endpoint]) -> list[float]:
+        scores = scorer.score(state, request, endpoints)
+        if len(scores) != len(endpoints):
+            raise EppError(f"scorer {scorer.name!r} returned {len(scores)} scores for "
+                           f"{len(endpoints)} endpoints")
+        # Clamp: a misbehaving scorer must not outweigh the others.
+        return [0.0 if s < 0.0 else 1.0 if s > 1.0 else float(s) for s in scores]
+
+    def _run_explained(self, state: CycleState, request: LLMRequest,
+                       candidates: Sequence[Endpoint],
+                       explain: dict[str, Any]) -> ProfileRunResult | None:
+        """The same run, recording per-plugin outcomes into ``explain[profile name]``."""
+        rec: dict[str, Any] = {"candidates": [e.key for e in candidates], "dropped": {},
+                               "scores": {}, "totals": {}, "picked": []}
+        explain[self.name] = rec
+        timer = self._timer
+        endpoints: Sequence[Endpoint] = candidates
+        for f in self.filters:
+            t0 = time.perf_counter()
+            kept = f.filter(state, request, endpoints)
+            timer("Filter", f, time.perf_counter() - t0)
+            kept_keys = {e.key for e in kept}
+            for e in endpoints:
+                if e.key not in kept_keys:
+                    rec["dropped"][e.key] = f"filter {f.name} ({f.type_name})"
+            endpoints = kept
+            if not endpoints:
+                rec["result"] = "no endpoint left after filters"
+                return None
+        totals = [0.0] * len(endpoints)
+        for scorer, weight in self.scorers:
+            t0 = time.perf_counter()
+            scores = self._scores(scorer, state, request, endpoints)
+            timer("Scorer", scorer, time.perf_counter() - t0)
+            rec["scores"][scorer.name] = {
+                "type": scorer.type_name, "weight": weight,
+                "scores": {e.key: round(s, 4) for e, s in zip(endpoints, scores)}}
+            for i, s in enumerate(scores):
+                totals[i] += weight * s
+        rec["totals"] = {e.key: round(t, 4) for e, t in zip(endpoints, totals)}
+        t0 = time.perf_counter()
+        result = self.picker.pick(state, [ScoredEndpoint(e, t) for e, t in zip(endpoints, totals)])
+        timer("Picker", self.picker, time.perf_counter() - t0)
+        rec["picker"] = self.picker.name
+        rec["picked"] = [e.key for e in result.endpoints]
         return result
 
 
@@ -91,13 +141,17 @@ class Scheduler:
         self.profiles = dict(profiles)
         self._timer = timer
 
-    def schedule(self, request: LLMRequest, candidates: Sequence[Endpoint]) -> SchedulingResult:
+    def schedule(self, request: LLMRequest, candidates: Sequence[Endpoint],
+                 explain: dict[str, Any] | None = None) -> SchedulingResult:
         """Run the profile cycles over ``candidates`` (non-empty).
 
+        ``explain``, when given, receives one record per profile run (see ``EXPLAIN_KEY``).
         Raises ``NoCapacity`` (from the handler) when the profiles filtered to nothing and
         ``EppError`` (500) when the handler misbehaves (loops, picks unknown profiles).
         """
         state = CycleState()
+        if explain is not None:
+            state[EXPLAIN_KEY] = explain
         results: dict[str, ProfileRunResult | None] = {}
         for _ in range(MAX_CYCLES):
             t0 = time.perf_counter()

@@ -10,11 +10,14 @@ gRPC servers (with grace) and the metrics port.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
+import orjson
 from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -38,6 +41,7 @@ from epp.discovery.reflector import ReflectorOptions
 from epp.discovery.static import StaticFileSource, parse_endpoints_arg
 from epp.errors import ConfigError
 from epp.handlers.extproc import ExtProcServicer
+from epp.observability.explain import DecisionLog
 from epp.observability.metrics import EppMetrics
 from epp.requestcontrol.director import Director
 from epp.server.leader import LeaderElectionOptions, LeaderElector, default_identity, lease_name
@@ -85,6 +89,10 @@ class ServeOptions:
     scrape_metrics: bool = True
     scrape: ScrapeOptions = field(default_factory=ScrapeOptions)
     metric_overrides: MappingOverrides = field(default_factory=MappingOverrides)
+    # Observability (docs/observability.md).
+    enable_explain_header: bool = False
+    explain_history: int = 0
+    metrics_auth_token: str | None = None  # bearer token required on /metrics and /debug/*
 
 
 class EppServer:
@@ -93,6 +101,8 @@ class EppServer:
         self.store = Datastore()
         self.metrics = EppMetrics(self.store)
         self.built: BuiltConfig | None = None
+        self.decisions: DecisionLog | None = None
+        self._stream_outcomes: dict[str, Any] = {}
         self.director: Director | None = None
         self._static_file: StaticFileSource | None = None
         self._grpc: grpc.aio.Server | None = None
@@ -128,9 +138,12 @@ class EppServer:
             self._static_file.load_initial()
         for plugin in self.built.endpoint_removed:
             self.store.on_removed(lambda ep, p=plugin: p.endpoint_removed(ep.key))
+        self.decisions = DecisionLog(o.explain_history) if o.explain_history > 0 else None
         self.director = Director(self.store, self.built.scheduler, self.metrics,
                                  self.built.pre_request, self.built.response_complete,
-                                 self.built.request_headers, self.built.response_headers)
+                                 self.built.request_headers, self.built.response_headers,
+                                 explain_header=o.enable_explain_header,
+                                 decisions=self.decisions)
         scraper: MetricsScraper | None = None
         if o.scrape_metrics:
             scraper = MetricsScraper(self.store, o.scrape,
@@ -193,7 +206,8 @@ class EppServer:
         max_msg = self.options.max_request_body_bytes + (1 << 20)
         server = self._grpc_server(max_msg)
         pb_grpc.add_ExternalProcessorServicer_to_server(
-            ExtProcServicer(self.director, self.options.max_request_body_bytes), server)
+            ExtProcServicer(self.director, self.options.max_request_body_bytes,
+                            on_stream_end=self._stream_ended), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         credentials: grpc.ServerCredentials | None = None
         if self.options.secure_serving:
@@ -213,15 +227,45 @@ class EppServer:
         await server.start()
         self._health_server = server
 
+    def _stream_ended(self, outcome: str) -> None:
+        child = self._stream_outcomes.get(outcome)
+        if child is None:
+            child = self._stream_outcomes[outcome] = self.metrics.extproc_streams.labels(outcome)
+        child.inc()
+
     async def _start_metrics(self) -> None:
         registry = self.metrics.registry
+        token = self.options.metrics_auth_token
+        expected = f"Bearer {token}" if token else None
 
-        async def metrics(_: web.Request) -> web.Response:
+        def authorized(request: web.Request) -> bool:
+            return expected is None or hmac.compare_digest(
+                request.headers.get("Authorization", ""), expected)
+
+        async def metrics(request: web.Request) -> web.Response:
+            if not authorized(request):
+                return web.Response(status=401, text="missing or wrong bearer token\n",
+                                    headers={"WWW-Authenticate": "Bearer"})
             return web.Response(body=generate_latest(registry),
                                 headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+        async def decisions(request: web.Request) -> web.Response:
+            if not authorized(request):
+                return web.Response(status=401, text="missing or wrong bearer token\n",
+                                    headers={"WWW-Authenticate": "Bearer"})
+            if self.decisions is None:
+                return web.json_response({"error": "decision history is off; start epp serve "
+                                          "with --explain-history N"}, status=404)
+            try:
+                limit = int(request.query.get("limit", "20"))
+            except ValueError:
+                return web.json_response({"error": "limit must be an integer"}, status=400)
+            return web.Response(body=orjson.dumps(self.decisions.last(limit)),
+                                content_type="application/json")
+
         app = web.Application()
         app.router.add_get("/metrics", metrics)
+        app.router.add_get("/debug/decisions", decisions)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, self.options.bind_address, self.options.metrics_port)

@@ -10,10 +10,31 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Final, Literal
 
-__all__ = ["ROLES", "Role", "SimConfig"]
+_DISTANCES: Final = ("node", "rack", "block", "zone", "other")  # epp.sim.topology.DISTANCES
+
+__all__ = [
+    "DEFAULT_KV_TRANSFER_BY_LEVEL",
+    "PREFILL_FAILURE_MODES",
+    "ROLES",
+    "PrefillFailure",
+    "Role",
+    "SimConfig",
+]
 
 Role = Literal["both", "prefill", "decode"]
 ROLES: Final[tuple[Role, ...]] = ("both", "prefill", "decode")
+PrefillFailure = Literal["fallback", "error"]
+PREFILL_FAILURE_MODES: Final[tuple[PrefillFailure, ...]] = ("fallback", "error")
+DEFAULT_KV_TRANSFER_BY_LEVEL: Final[tuple[tuple[str, float], ...]] = (
+    ("node", 0.0002),
+    ("rack", 0.0005),
+    ("block", 0.001),
+    ("zone", 0.002),
+    ("other", 0.004),
+)
+"""Decode role: KV-transfer cost per token by the prefill peer's distance
+(:func:`epp.sim.topology.distance`); ``rack`` equals the default
+``kv_transfer_ms_per_token``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +64,13 @@ class SimConfig:
     decode_per_seq_ms: float = 0.05
     """Extra decode cost per sequence decoded in the step."""
     kv_transfer_ms_per_token: float = 0.0005
-    """Decode role: cost per uncached prompt token whose KV comes from a prefill pod."""
+    """Decode role: cost per uncached prompt token whose KV comes from a prefill pod, when
+    the prefill pod's distance is unknown (see ``kv_transfer_ms_per_token_by_level``)."""
+    kv_transfer_ms_per_token_by_level: tuple[tuple[str, float], ...] = (
+        DEFAULT_KV_TRANSFER_BY_LEVEL
+    )
+    """Decode role: the same cost by the distance to the prefill pod (``node``, ``rack``,
+    ``block``, ``zone``, ``other``); a level not listed costs ``kv_transfer_ms_per_token``."""
     # LoRA.
     loras: tuple[str, ...] = ()
     """Adapter names served besides the base model (a request selects one by ``model``)."""
@@ -53,7 +80,14 @@ class SimConfig:
     """Added to a step for each adapter loaded into a slot in it."""
     # Role.
     role: Role = "both"
-    """``prefill`` answers every generation with one token; ``decode`` prices remote KV."""
+    """``prefill`` answers every generation with one token; ``decode`` acts as llm-d's
+    decode sidecar for requests naming a prefill pod in ``x-prefiller-host-port``."""
+    prefill_failure: PrefillFailure = "fallback"
+    """Decode role, when the prefill pod fails or cannot be reached: ``fallback`` prefills
+    locally; ``error`` returns the prefill pod's status (502 if unreachable), as llm-d's
+    nixlv2 sidecar does."""
+    prefill_timeout_s: float = 60.0
+    """Decode role: give up on the prefill pod after this many wall-clock seconds."""
     # Failure injection.
     error_rate: float = 0.0
     """Probability (0..1) that a valid generation request gets a 500."""
@@ -89,6 +123,17 @@ class SimConfig:
             "time_scale",
         ):
             non_negative(name)
+        if self.prefill_timeout_s <= 0:
+            raise ValueError(f"prefill_timeout_s must be > 0, got {self.prefill_timeout_s}")
+        if self.prefill_failure not in PREFILL_FAILURE_MODES:
+            raise ValueError(f"prefill_failure must be one of {', '.join(PREFILL_FAILURE_MODES)}, "
+                             f"got {self.prefill_failure!r}")
+        levels = [lvl for lvl, _ in self.kv_transfer_ms_per_token_by_level]
+        if len(set(levels)) != len(levels) or not set(levels) <= set(_DISTANCES):
+            raise ValueError("kv_transfer_ms_per_token_by_level: levels must be distinct, among "
+                             f"{', '.join(_DISTANCES)}; got {levels}")
+        if any(cost < 0 for _, cost in self.kv_transfer_ms_per_token_by_level):
+            raise ValueError("kv_transfer_ms_per_token_by_level: costs must be >= 0")
         if self.slow_start_factor < 1:
             raise ValueError(f"slow_start_factor must be >= 1, got {self.slow_start_factor}")
         if not 0.0 <= self.error_rate <= 1.0:
@@ -100,8 +145,17 @@ class SimConfig:
         if len(set(self.loras)) != len(self.loras) or any(not n for n in self.loras):
             raise ValueError(f"loras must be distinct non-empty names, got {list(self.loras)}")
 
+    def transfer_cost(self, level: str | None) -> float:
+        """KV-transfer cost per token for a prefill peer at distance ``level`` (None:
+        unknown)."""
+        for lvl, cost in self.kv_transfer_ms_per_token_by_level:
+            if lvl == level:
+                return cost
+        return self.kv_transfer_ms_per_token
+
     def as_dict(self) -> dict[str, Any]:
         """The parameters as plain JSON-able values."""
         d = asdict(self)
         d["loras"] = list(self.loras)
+        d["kv_transfer_ms_per_token_by_level"] = dict(self.kv_transfer_ms_per_token_by_level)
         return d

@@ -26,8 +26,9 @@ Step time (seconds), with ``p_i`` the prefill tokens of sequence ``i`` in the st
                               + [d > 0] * (decode_base_ms + decode_per_seq_ms * d)
                               + l * lora_load_ms ) / 1000
 
-``c_i`` is ``prefill_ms_per_token`` (``kv_transfer_ms_per_token`` for a request whose
-prompt KV is pulled from a prefill pod); ``slow`` is ``slow_start_factor`` during slow
+``c_i`` is ``prefill_ms_per_token`` (the KV-transfer cost for a request whose prompt
+KV is pulled from a prefill pod: ``kv_transfer_ms_per_token``, or the per-distance cost
+the server passes); ``slow`` is ``slow_start_factor`` during slow
 start, else 1. Steps are back to back while there is work (a step starts when the
 previous one was due to end, so sleep overshoot does not accumulate). At the end of a
 step, a sequence whose prefill completed emits its first token and every decoding one
@@ -220,10 +221,13 @@ class Engine:
         *,
         lora: str | None = None,
         remote_prefill: bool = False,
+        transfer_ms_per_token: float | None = None,
     ) -> SimRequest:
         """Queue a request. ``tokens`` is its prompt (an empty prompt computes one
         token); ``lora`` must be one of ``config.loras`` or None; ``remote_prefill``
-        prices its uncached prompt at ``kv_transfer_ms_per_token``.
+        prices its uncached prompt at ``transfer_ms_per_token`` (default
+        ``kv_transfer_ms_per_token``): its KV is pulled from a prefill pod, except the
+        prefix already in this engine's cache.
 
         Raises :class:`PromptTooLong` if prompt + ``max_tokens`` could never fit in the
         pool, ValueError for a bad ``max_tokens`` or unknown adapter,
@@ -241,7 +245,13 @@ class Engine:
             max_tokens=max_tokens,
             lora=lora,
             cost_ms_per_token=(
-                cfg.kv_transfer_ms_per_token if remote_prefill else cfg.prefill_ms_per_token
+                (
+                    cfg.kv_transfer_ms_per_token
+                    if transfer_ms_per_token is None
+                    else transfer_ms_per_token
+                )
+                if remote_prefill
+                else cfg.prefill_ms_per_token
             ),
             hashes=block_hashes(prompt, cfg.block_size, lora or ""),
             arrival=loop.time(),

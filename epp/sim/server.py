@@ -51,13 +51,16 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Final
 
+import aiohttp
 import orjson
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from epp.sim.config import ROLES, SimConfig
+from epp.keys import HEADER_PREFILLER
+from epp.sim.config import PREFILL_FAILURE_MODES, ROLES, SimConfig
 from epp.sim.engine import Engine, EngineError, PromptTooLong, SimRequest
 from epp.sim.metrics import CONTENT_TYPE as _PROMETHEUS
 from epp.sim.metrics import build_registry, render
@@ -67,6 +70,13 @@ from epp.sim.tokens import (
     messages_tokens,
     prompt_tokens,
     responses_input_tokens,
+)
+from epp.sim.topology import (
+    LEVELS,
+    PeerTopology,
+    distance,
+    parse_level_costs,
+    parse_topology,
 )
 
 __all__ = [
@@ -112,14 +122,83 @@ class SimState:
     rng: random.Random
     delay_s: float = 0.0
     requests: deque[Json] = field(default_factory=lambda: deque(maxlen=DEBUG_LOG_SIZE))
+    address: str = "127.0.0.1"
+    """The address this pod is known by (for finding its own entry in ``peers``)."""
+    topology: dict[str, str] | None = None
+    """This pod's topology (``--topology``); None: look it up in ``peers``."""
+    peers: PeerTopology | None = None
+    """Topologies of the pods in the endpoints file (``--peer-topology-file``)."""
+    pd: PdStats = field(default_factory=lambda: PdStats())
+    http: aiohttp.ClientSession | None = None
 
     def inject_error(self) -> bool:
         """Draw once from the seeded source: True with probability ``error_rate``."""
         rate = self.config.error_rate
         return rate > 0 and self.rng.random() < rate
 
+    def own_topology(self, port: int) -> dict[str, str] | None:
+        if self.topology:
+            return self.topology
+        if self.peers is None:
+            return None
+        return self.peers.own(self.address, port)
+
+    def client(self) -> aiohttp.ClientSession:
+        """The HTTP client for prefill requests (created on first use, closed with the
+        app)."""
+        if self.http is None or self.http.closed:
+            self.http = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.config.prefill_timeout_s),
+                connector=aiohttp.TCPConnector(limit=0),
+            )
+        return self.http
+
+
+@dataclass
+class PdStats:
+    """Decode role: what the decode sidecar did (``GET /debug/state`` → ``pd``)."""
+
+    remote_prefills: int = 0
+    """Requests prefilled by a prefill pod (its answer was 2xx)."""
+    prefill_failures: int = 0
+    """Prefill pods that failed or could not be reached."""
+    fallbacks: int = 0
+    """Of those, requests then prefilled locally (``prefill_failure = fallback``)."""
+    by_distance: dict[str, int] = field(default_factory=dict)
+    """Remote prefills by the prefill pod's distance (``node`` … ``other``, ``unknown``)."""
+    by_prefiller: dict[str, int] = field(default_factory=dict)
+    """Remote prefills by prefill pod (``address:port``)."""
+
+    def as_dict(self) -> Json:
+        return {
+            "remote_prefills": self.remote_prefills,
+            "prefill_failures": self.prefill_failures,
+            "fallbacks": self.fallbacks,
+            "by_distance": dict(self.by_distance),
+            "by_prefiller": dict(self.by_prefiller),
+        }
+
 
 STATE_KEY: Final = web.AppKey("sim_state", SimState)
+_RECORD: Final = web.RequestKey("epp_sim_debug_record", dict)
+"""Request key of the request's ``/debug/requests`` record (handlers add to it)."""
+_RECORDED_FIELDS: Final = (
+    "model",
+    "stream",
+    "max_tokens",
+    "max_completion_tokens",
+    "max_output_tokens",
+    "kv_transfer_params",
+)
+_PREFILL_KV_PARAMS: Final[Json] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+"""``kv_transfer_params`` of the prefill request, as llm-d's nixlv2 sidecar sends them."""
 
 
 class _HttpError(Exception):
@@ -178,6 +257,9 @@ async def _json_body(request: web.Request) -> Json:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
+    record = request.get(_RECORD)
+    if record is not None:
+        record["fields"] = {k: body[k] for k in _RECORDED_FIELDS if k in body}
     return body
 
 
@@ -255,14 +337,23 @@ class _Gen:
         self.state.engine.abort(self.req)
 
 
-def _submit(
-    request: web.Request, body: Json, tokens: list[Token], max_tokens: int, *, generate: bool
+async def _submit(
+    request: web.Request,
+    body: Json,
+    tokens: list[Token],
+    max_tokens: int,
+    *,
+    generate: bool,
+    limit_fields: tuple[str, ...] = (),
 ) -> _Gen:
     """Accept a parsed request: role rules, the KV-fit check (400), failure injection
-    (500; only requests that pass the checks draw), engine submission (503 once the
-    engine is stopped).
+    (500; only requests that pass the checks draw), the decode sidecar's remote prefill
+    (decode role, ``x-prefiller-host-port`` set; see :func:`_remote_prefill`), engine
+    submission (503 once the engine is stopped).
 
-    ``generate`` is False for embeddings (prefill only, no role rules).
+    ``generate`` is False for embeddings (prefill only, no role rules);
+    ``limit_fields`` are the route's output-token limit fields (set to 1 in the prefill
+    request).
     """
     state = request.app[STATE_KEY]
     cfg = state.config
@@ -291,15 +382,95 @@ def _submit(
             "remote_port": _local_port(request),
             "tp_size": 1,
         }
-    elif generate and cfg.role == "decode":
+    transfer: float | None = None
+    if generate and cfg.role == "decode":
+        prefiller = request.headers.get(HEADER_PREFILLER, "").strip()
+        if prefiller:
+            got, transfer = await _remote_prefill(request, state, body, limit_fields, prefiller)
+            params = got  # the prefill pod's params replace the client's
         remote = params is not None and params.get("do_remote_prefill") is True
     try:
-        req = state.engine.submit(tokens, max_tokens, lora=lora, remote_prefill=remote)
+        req = state.engine.submit(
+            tokens, max_tokens, lora=lora, remote_prefill=remote, transfer_ms_per_token=transfer
+        )
     except PromptTooLong as exc:
         raise BadRequest(str(exc)) from None
     except EngineError as exc:  # stopped: the server is shutting down
         raise _HttpError(503, str(exc), "ServiceUnavailableError") from None
     return _Gen(state, req, len(tokens), max_tokens, model, out_params)
+
+
+async def _remote_prefill(
+    request: web.Request, state: SimState, body: Json, limit_fields: tuple[str, ...], peer: str
+) -> tuple[Json | None, float | None]:
+    """llm-d's decode sidecar (nixlv2 connector): send the prefill pod ``peer``
+    (``address:port``) the request with ``kv_transfer_params`` asking for a remote
+    decode, ``stream: false`` and every output-token limit set to 1, wait for its answer,
+    and return its ``kv_transfer_params`` with the KV-transfer cost per token for the
+    pair's distance.
+
+    When the prefill pod fails or cannot be reached: with ``prefill_failure = fallback``
+    returns ``(None, None)`` (the decode pod prefills locally); with ``error`` raises the
+    prefill pod's status (502 when unreachable), as llm-d's sidecar does.
+    """
+    cfg = state.config
+    info: Json = {"prefiller": peer}
+    record = request.get(_RECORD)
+    if record is not None:
+        record["pd"] = info
+    pbody = dict(body)
+    pbody["kv_transfer_params"] = dict(_PREFILL_KV_PARAMS)
+    pbody["stream"] = False
+    pbody.pop("stream_options", None)
+    for f in limit_fields:
+        pbody[f] = 1
+    status: int | None = None
+    params: Json | None = None
+    error = ""
+    t0 = time.monotonic()
+    host, sep, port = peer.rpartition(":")
+    if not sep or not host or not port.isdigit() or "/" in host or "@" in host:
+        error = f"malformed {HEADER_PREFILLER} {peer!r} (expected address:port)"
+    else:
+        try:
+            async with state.client().post(
+                f"http://{peer}{request.path}",
+                data=orjson.dumps(pbody),
+                headers={"content-type": _JSON, "x-request-id": str(uuid.uuid4())},
+            ) as resp:
+                status = resp.status
+                raw = await resp.read()
+            if 200 <= status < 300:
+                answer = orjson.loads(raw)
+                got = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+                params = got if isinstance(got, dict) else {}
+            else:
+                error = f"prefill pod {peer} answered {status}"
+        except orjson.JSONDecodeError:
+            error = f"prefill pod {peer} answered with invalid JSON"
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            error = f"prefill pod {peer} unreachable: {type(exc).__name__}: {exc}"
+    info["status"] = status
+    info["prefill_s"] = round(time.monotonic() - t0, 6)
+    pd = state.pd
+    if params is None:
+        pd.prefill_failures += 1
+        info["error"] = error
+        if cfg.prefill_failure == "error":
+            code = status if status is not None and status >= 400 else 502
+            raise _HttpError(code, error, "BadGatewayError" if code == 502 else "PrefillError")
+        pd.fallbacks += 1
+        info["fallback"] = True
+        return None, None
+    own = state.own_topology(_local_port(request))
+    level = distance(own, state.peers.lookup(peer) if state.peers is not None else None)
+    cost = cfg.transfer_cost(level)
+    pd.remote_prefills += 1
+    key = level or "unknown"
+    pd.by_distance[key] = pd.by_distance.get(key, 0) + 1
+    pd.by_prefiller[peer] = pd.by_prefiller.get(peer, 0) + 1
+    info.update(distance=level, transfer_ms_per_token=cost, fallback=False)
+    return params, cost
 
 
 def _local_port(request: web.Request) -> int:
@@ -348,14 +519,14 @@ async def _track(request: web.Request, handler: Handler) -> web.StreamResponse:
     if request.method != "POST":
         return await handler(request)
     raw = await request.read()
-    state.requests.append(
-        {
-            "path": request.path,
-            "body_len": len(raw),
-            "body_sha256": hashlib.sha256(raw).hexdigest(),
-            "headers": _lower_headers(request),
-        }
-    )
+    record: Json = {
+        "path": request.path,
+        "body_len": len(raw),
+        "body_sha256": hashlib.sha256(raw).hexdigest(),
+        "headers": _lower_headers(request),
+    }
+    state.requests.append(record)
+    request[_RECORD] = record
     try:
         if state.delay_s > 0:
             await asyncio.sleep(state.delay_s)
@@ -387,7 +558,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if "prompt" not in body:
         raise BadRequest("'prompt' is required")
     tokens = prompt_tokens(body["prompt"])
-    gen = _submit(request, body, tokens, _max_tokens(body, "max_tokens"), generate=True)
+    gen = await _submit(
+        request, body, tokens, _max_tokens(body, "max_tokens"), generate=True,
+        limit_fields=("max_tokens",),
+    )
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
     def envelope(choices: list[Json]) -> Json:
@@ -430,7 +604,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise BadRequest("'messages' is required")
     tokens = messages_tokens(body["messages"])
     max_tokens = _max_tokens(body, "max_completion_tokens", "max_tokens")
-    gen = _submit(request, body, tokens, max_tokens, generate=True)
+    gen = await _submit(
+        request, body, tokens, max_tokens, generate=True,
+        limit_fields=("max_tokens", "max_completion_tokens"),
+    )
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
     if not body.get("stream"):
@@ -496,7 +673,7 @@ async def embeddings(request: web.Request) -> web.StreamResponse:
         raise BadRequest("'input' is required")
     inp = body["input"]
     tokens = prompt_tokens(inp)
-    gen = _submit(request, body, tokens, 0, generate=False)
+    gen = await _submit(request, body, tokens, 0, generate=False)
     await gen.wait()
     items: list[Any] = (
         inp if isinstance(inp, list) and inp and not isinstance(inp[0], int) else [inp]
@@ -522,7 +699,10 @@ async def responses(request: web.Request) -> web.StreamResponse:
     if "input" not in body:
         raise BadRequest("'input' is required")
     tokens = responses_input_tokens(body["input"])
-    gen = _submit(request, body, tokens, _max_tokens(body, "max_output_tokens"), generate=True)
+    gen = await _submit(
+        request, body, tokens, _max_tokens(body, "max_output_tokens"), generate=True,
+        limit_fields=("max_output_tokens",),
+    )
     rid, msg_id, created = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}", int(time.time())
 
     def final() -> Json:
@@ -638,6 +818,8 @@ async def debug_state(request: web.Request) -> web.StreamResponse:
             "delay_s": state.delay_s,
             "config": state.config.as_dict(),
             "engine": state.engine.snapshot(),
+            "topology": state.own_topology(_local_port(request)),
+            "pd": state.pd.as_dict(),
         }
     )
 
@@ -651,9 +833,18 @@ def build_app(
     *,
     delay_s: float = 0.0,
     config: SimConfig | None = None,
+    address: str = "127.0.0.1",
+    topology: dict[str, str] | None = None,
+    peers: PeerTopology | None = None,
 ) -> web.Application:
     """One simulated pod named ``name`` serving ``model`` with ``config`` (defaults:
     :class:`SimConfig`).
+
+    P/D (decode role): ``topology`` is this pod's own (level → value), ``peers`` the
+    topologies of the pods in an endpoints file, where this pod finds its own entry by
+    ``address`` and its port when ``topology`` is not given. Together they price KV
+    transfers by distance; without them every transfer costs
+    ``kv_transfer_ms_per_token``.
 
     ``delay_s`` (>= 0, wall-clock seconds, not scaled by ``time_scale``) delays every
     POST before it reaches the engine; the request is not running or waiting meanwhile. The app's state is at
@@ -673,6 +864,9 @@ def build_app(
         registry=build_registry(engine, model),
         rng=random.Random(f"{cfg.seed}:{name}"),
         delay_s=delay_s,
+        address=address,
+        topology=dict(topology) if topology else None,
+        peers=peers,
     )
 
     async def start_engine(_: web.Application) -> None:
@@ -680,6 +874,9 @@ def build_app(
 
     async def stop_engine(_: web.Application) -> None:
         await engine.stop()
+        http = app[STATE_KEY].http
+        if http is not None:
+            await http.close()
 
     app.on_startup.append(start_engine)
     app.on_shutdown.append(stop_engine)
@@ -705,6 +902,8 @@ async def start_servers(
     *,
     delay_s: float = 0.0,
     config: SimConfig | None = None,
+    topology: dict[str, str] | None = None,
+    peers: PeerTopology | None = None,
 ) -> list[web.AppRunner]:
     """Start one app per port (named ``sim-<port>``) on ``host``; return their runners.
 
@@ -715,7 +914,10 @@ async def start_servers(
     runners: list[web.AppRunner] = []
     try:
         for port in ports:
-            app = build_app(f"sim-{port}", model, delay_s=delay_s, config=config)
+            app = build_app(
+                f"sim-{port}", model, delay_s=delay_s, config=config, address=host,
+                topology=topology, peers=peers,
+            )
             runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0)
             await runner.setup()
             runners.append(runner)
@@ -735,9 +937,13 @@ async def serving(
     *,
     delay_s: float = 0.0,
     config: SimConfig | None = None,
+    topology: dict[str, str] | None = None,
+    peers: PeerTopology | None = None,
 ) -> AsyncIterator[list[web.AppRunner]]:
     """``async with serving(...)``: :func:`start_servers`, cleaned up on exit."""
-    runners = await start_servers(host, ports, model, delay_s=delay_s, config=config)
+    runners = await start_servers(
+        host, ports, model, delay_s=delay_s, config=config, topology=topology, peers=peers
+    )
     try:
         yield runners
     finally:
@@ -752,10 +958,14 @@ async def run_servers(
     *,
     delay_s: float = 0.0,
     config: SimConfig | None = None,
+    topology: dict[str, str] | None = None,
+    peers: PeerTopology | None = None,
 ) -> None:
     """Serve one simulated pod per port in this process until cancelled."""
     cfg = config if config is not None else SimConfig()
-    async with serving(host, ports, model, delay_s=delay_s, config=cfg):
+    async with serving(
+        host, ports, model, delay_s=delay_s, config=cfg, topology=topology, peers=peers
+    ):
         print(
             f"sim: serving model {model!r} (role {cfg.role}) on "
             + ", ".join(f"{host}:{p}" for p in ports),
@@ -803,7 +1013,32 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--decode-per-seq-ms", type=float, default=d.decode_per_seq_ms,
                    help="extra cost per decoding sequence in a step")  # fmt: skip
     g.add_argument("--kv-transfer-ms-per-token", type=float, default=d.kv_transfer_ms_per_token,
-                   help="decode role: cost per prompt token pulled from a prefill pod")  # fmt: skip
+                   help="decode role: cost per prompt token pulled from a prefill pod whose "
+                   "distance is unknown")  # fmt: skip
+    g = p.add_argument_group("P/D disaggregation (decode role; see docs/disaggregation.md)")
+    g.add_argument("--kv-transfer-cost", action="append", default=[],
+                   metavar="LEVEL=MS[,LEVEL=MS...]",
+                   help="KV-transfer cost per token by the prefill pod's distance: node, "
+                   "rack, block, zone or other (repeatable; default "
+                   + ",".join(f"{k}={v:g}" for k, v in d.kv_transfer_ms_per_token_by_level)
+                   + ")")  # fmt: skip
+    g.add_argument("--topology", default="", metavar="LEVEL=VALUE[,...]",
+                   help="this pod's topology, e.g. node=n1,rack=r1,block=b1,zone=z1 (default: "
+                   "its entry in --peer-topology-file)")  # fmt: skip
+    g.add_argument("--peer-topology-file", default=None, metavar="FILE",
+                   help="the endpoints file `epp serve --endpoints-file` reads (labels, "
+                   "nodeName, nodes: labels); gives each prefill pod's topology, and this "
+                   "pod's own when --topology is not given; re-read when it changes")  # fmt: skip
+    g.add_argument("--topology-label", action="append", default=[], metavar="LEVEL=KEY",
+                   help="label key of a level in --peer-topology-file (defaults: "
+                   "node=kubernetes.io/hostname (else nodeName), "
+                   "rack=topology.kubernetes.io/rack, block=topology.kubernetes.io/block, "
+                   "zone=topology.kubernetes.io/zone)")  # fmt: skip
+    g.add_argument("--prefill-failure", choices=PREFILL_FAILURE_MODES, default=d.prefill_failure,
+                   help="when the prefill pod fails: prefill locally (fallback), or return "
+                   "its status as llm-d's sidecar does (error)")  # fmt: skip
+    g.add_argument("--prefill-timeout-s", type=float, default=d.prefill_timeout_s,
+                   help="give up on the prefill pod after this long (wall-clock seconds)")  # fmt: skip
     g = p.add_argument_group("LoRA")
     g.add_argument("--lora", action="append", default=[], metavar="NAME[,NAME...]",
                    help="LoRA adapter served besides the base model (repeatable)")  # fmt: skip
@@ -827,6 +1062,9 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     """The :class:`SimConfig` of parsed ``epp sim`` arguments; ValueError if invalid."""
     loras = tuple(n.strip() for arg in args.lora for n in arg.split(",") if n.strip())
+    by_level = dict(SimConfig().kv_transfer_ms_per_token_by_level)
+    for arg in getattr(args, "kv_transfer_cost", []):
+        by_level.update(parse_level_costs(arg))
     return SimConfig(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -836,6 +1074,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         decode_base_ms=args.decode_base_ms,
         decode_per_seq_ms=args.decode_per_seq_ms,
         kv_transfer_ms_per_token=args.kv_transfer_ms_per_token,
+        kv_transfer_ms_per_token_by_level=tuple(by_level.items()),
+        prefill_failure=args.prefill_failure,
+        prefill_timeout_s=args.prefill_timeout_s,
         loras=loras,
         max_loras=args.max_loras,
         lora_load_ms=args.lora_load_ms,
@@ -846,6 +1087,26 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         time_scale=args.time_scale,
         seed=args.seed,
     )
+
+
+def topology_from_args(
+    args: argparse.Namespace,
+) -> tuple[dict[str, str] | None, PeerTopology | None]:
+    """``--topology`` and ``--peer-topology-file`` / ``--topology-label``; ValueError if
+    invalid (the file must exist and parse at startup)."""
+    topology = parse_topology(args.topology) if args.topology else None
+    keys: dict[str, str] = {}
+    for item in args.topology_label:
+        level, sep, key = item.partition("=")
+        if not sep or level.strip() not in LEVELS or not key.strip():
+            raise ValueError(f"--topology-label {item!r}: expected LEVEL=KEY with LEVEL one of "
+                             f"{', '.join(LEVELS)}")
+        keys[level.strip()] = key.strip()
+    if args.peer_topology_file is None:
+        if keys:
+            raise ValueError("--topology-label needs --peer-topology-file")
+        return topology, None
+    return topology, PeerTopology(Path(args.peer_topology_file), keys)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -861,6 +1122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--delay-s must be >= 0")
     try:
         config = config_from_args(args)
+        topology, peers = topology_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
 
@@ -871,7 +1133,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, task.cancel)
         with contextlib.suppress(asyncio.CancelledError):
-            await run_servers(args.host, args.port, args.model, delay_s=args.delay_s, config=config)
+            await run_servers(
+                args.host, args.port, args.model, delay_s=args.delay_s, config=config,
+                topology=topology, peers=peers,
+            )
 
     asyncio.run(_run())
     return 0

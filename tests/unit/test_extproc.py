@@ -44,6 +44,9 @@ class FakeDirector:
     def on_done(self, context: Any, aborted: bool) -> None:
         self.calls.append(("done", context, aborted))
 
+    def on_rejected(self, headers: Mapping[str, str], status: int) -> None:
+        self.calls.append(("rejected", status))
+
 
 def headers_msg(mode: int = FD, eos: bool = False, extra: dict[str, str] | None = None,
                 subset: list[str] | None = None, resp_mode: int | None = None) -> pb.ProcessingRequest:
@@ -166,7 +169,8 @@ async def test_body_over_limit_is_413(mode: int) -> None:
     await s.handle(headers_msg(mode))
     out = await s.handle(body_msg(b"x" * 101, mode == BUF))
     assert out[0].immediate_response.status.code == 413
-    assert s.closed and d.calls == []
+    assert s.closed and d.calls == [("rejected", 413)]
+    assert s.finish() == "rejected"
     err = orjson.loads(out[0].immediate_response.body)["error"]
     assert err["code"] == 413 and "100 bytes" in err["message"]
 
@@ -214,7 +218,7 @@ async def test_response_passthrough_full_duplex_and_done_once() -> None:
     assert out[0].response_body.response.body_mutation.streamed_response.body == b"data: 1\n\n"
     out = await s.handle(pb.ProcessingRequest(response_body=pb.HttpBody(body=b"", end_of_stream=True)))
     assert out[0].response_body.response.body_mutation.streamed_response.end_of_stream
-    s.finish()
+    assert s.finish() == "completed"
     assert [c for c in d.calls if c[0] == "done"] == [("done", "ctx", False)]
     assert ("resp_headers", "ctx", 200) in d.calls
 
@@ -234,7 +238,7 @@ async def test_stream_aborted_reports_aborted() -> None:
     s = ExtProcStream(d, 1 << 20)
     await s.handle(headers_msg())
     await s.handle(body_msg(BODY, True))
-    s.finish()
+    assert s.finish() == "aborted"
     s.finish()
     assert [c for c in d.calls if c[0] == "done"] == [("done", "ctx", True)]
 

@@ -1,7 +1,19 @@
-"""Role filters for prefill/decode disaggregation: ``decode-filter``, ``prefill-filter``.
+"""Role filters for prefill/decode disaggregation: ``decode-filter``, ``prefill-filter``;
+and ``leader-filter`` for multi-node model servers.
 
 The role is read from the endpoint label ``roleLabel`` (default ``llm-d.ai/role``), falling
 back to Dynamo's ``nvidia.com/dynamo-sub-component-type``; values compare lower-cased.
+
+``leader-filter``: in a multi-node group (one model instance spanning several pods: a
+leader and workers) only the leader takes traffic. A pod is in such a group when it carries
+one of ``indexLabels`` (its index in the group); it is kept only when that index equals
+``leaderIndex``. Pods carrying none of them are single-pod servers and are kept.
+Defaults: ``indexLabels: [leaderworkerset.sigs.k8s.io/worker-index]`` (LeaderWorkerSet,
+what KServe's llm-d integration selects leaders by), ``leaderIndex: "0"``.
+For Grove, ``indexLabels: [grove.io/podcliquescalinggroup-pod-index]`` when every
+PodCliqueScalingGroup in the pool is one leader clique plus worker cliques with the leader
+listed first in ``cliqueNames`` (Grove numbers a scaling-group replica's pods in that
+order). See docs/disaggregation.md.
 """
 
 from __future__ import annotations
@@ -11,6 +23,7 @@ from typing import Sequence
 from epp import keys
 from epp.config.params import Params
 from epp.config.registry import PluginHandle
+from epp.errors import ConfigError
 from epp.scheduling.types import CycleState, Endpoint, LLMRequest
 
 
@@ -58,3 +71,48 @@ class PrefillFilter(_RoleFilter):
     def filter(self, state: CycleState, request: LLMRequest,
                endpoints: Sequence[Endpoint]) -> Sequence[Endpoint]:
         return [e for e in endpoints if endpoint_role(e, self.role_label) == keys.ROLE_PREFILL]
+
+
+class LeaderFilter:
+    """Keeps single-pod servers and the leaders of multi-node groups (order kept)."""
+
+    type_name = "leader-filter"
+
+    def __init__(self, name: str, index_labels: Sequence[str] = (keys.LABEL_LWS_WORKER_INDEX,),
+                 leader_index: str = "0") -> None:
+        self.name = name
+        self.index_labels = tuple(index_labels)
+        self.leader_index = leader_index
+
+    @classmethod
+    def from_params(cls, name: str, params: Params, handle: PluginHandle) -> "LeaderFilter":
+        raw = params.raw("indexLabels")
+        if raw is None:
+            labels: Sequence[str] = (keys.LABEL_LWS_WORKER_INDEX,)
+        elif (not isinstance(raw, list) or not raw
+              or not all(isinstance(x, str) and x.strip() for x in raw)):
+            raise ConfigError(f"{params.path}.indexLabels: expected a non-empty list of label "
+                              "keys (the pod's index in its multi-node group)")
+        else:
+            labels = [x.strip() for x in raw]
+        leader = params.raw("leaderIndex")
+        if leader is None:
+            leader = "0"
+        elif isinstance(leader, int) and not isinstance(leader, bool):
+            leader = str(leader)
+        elif not isinstance(leader, str) or not leader:
+            raise ConfigError(f"{params.path}.leaderIndex: expected the leader's index label "
+                              f"value, e.g. \"0\"; got {leader!r}")
+        params.done()
+        return cls(name, labels, leader)
+
+    def is_leader(self, e: Endpoint) -> bool:
+        for key in self.index_labels:
+            v = e.labels.get(key)
+            if v is not None:
+                return v.strip() == self.leader_index
+        return True  # not in a multi-node group
+
+    def filter(self, state: CycleState, request: LLMRequest,
+               endpoints: Sequence[Endpoint]) -> Sequence[Endpoint]:
+        return [e for e in endpoints if self.is_leader(e)]

@@ -1,0 +1,248 @@
+"""Gateway throughput: Envoy alone vs Envoy + EPP (1, 2, … workers), one run, side by side.
+
+The upstream is a second Envoy answering every request itself (direct_response), so the
+upstream costs next to nothing. "Envoy alone" is the same gateway bootstrap without the
+ext_proc filter (wrk names the upstream in the routing header). The load generator is
+wrk (Debian package `wrk`) with a Lua script POSTing an OpenAI completion body. For each
+case: req/s, p50/p99 latency (wrk), the EPP's CPU per request (from /proc of the EPP and
+its worker processes) and the ratio to Envoy alone.
+
+    .venv/bin/python -m bench.throughput --duration 10 --workers 1 --workers 2
+    .venv/bin/python -m bench.throughput --smoke        # a few seconds, for CI
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+from epp.stack.envoy import EnvoyProcess, render_envoy_config, without_ext_proc
+from epp.stack.procs import ManagedProcess, free_port, wait_port
+
+UPSTREAM_YAML = """\
+admin:
+  address: {socket_address: {address: 127.0.0.1, port_value: %(admin)d}}
+static_resources:
+  listeners:
+  - name: upstream
+    address: {socket_address: {address: 127.0.0.1, port_value: %(port)d}}
+    per_connection_buffer_limit_bytes: 16777216
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: upstream
+          route_config:
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              routes:
+              - match: {prefix: "/"}
+                direct_response:
+                  status: 200
+                  body: {inline_string: '{"id":"x","object":"text_completion","model":"m","choices":[{"index":0,"text":"ok","finish_reason":"stop"}],"usage":{"prompt_tokens":500,"completion_tokens":1,"total_tokens":501}}'}
+                response_headers_to_add:
+                - header: {key: content-type, value: application/json}
+          http_filters:
+          - name: envoy.filters.http.router
+            typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}
+"""
+
+LUA = """\
+wrk.method = "POST"
+wrk.headers["content-type"] = "application/json"
+%(extra)s
+wrk.body = io.open("%(body)s", "rb"):read("*a")
+"""
+
+
+@dataclass
+class Row:
+    case: str
+    concurrency: int
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    errors: int
+    epp_cpu_us: float | None
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return total
+
+
+def _tree(pid: int) -> list[int]:
+    out = [pid]
+    try:
+        for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+            out += _tree(int(child))
+    except OSError:
+        pass
+    return out
+
+
+def _ms(v: str) -> float:
+    m = re.match(r"([\d.]+)(us|ms|s)", v)
+    if not m:
+        return float("nan")
+    x = float(m.group(1))
+    return {"us": x / 1000, "ms": x, "s": x * 1000}[m.group(2)]
+
+
+async def run_wrk(url: str, script: Path, conc: int, duration: float) -> tuple[float, float, float, int, int]:
+    proc = await asyncio.create_subprocess_exec(
+        "wrk", "-t", "2", "-c", str(conc), "-d", f"{max(1, round(duration))}s", "--latency", "-s", str(script),
+        url, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    out = (await proc.communicate())[0].decode()
+    if "Requests/sec" not in out:
+        raise RuntimeError(f"wrk failed:\n{out}")
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    p50 = _ms(re.search(r"50%\s+(\S+)", out).group(1))  # type: ignore[union-attr]
+    p99 = _ms(re.search(r"99%\s+(\S+)", out).group(1))  # type: ignore[union-attr]
+    total = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
+    errs = 0
+    m = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    if m:
+        errs += int(m.group(1))
+    m = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
+    if m:
+        errs += sum(int(x) for x in m.groups())
+    return rps, p50, p99, errs, total
+
+
+async def main_async(args: argparse.Namespace) -> list[Row]:
+    if shutil.which("wrk") is None:
+        sys.exit("wrk not found: apt-get install wrk")
+    work = Path(tempfile.mkdtemp(prefix="epp-tput-"))
+    up_port = free_port()
+    body = work / "body.json"
+    body.write_bytes(orjson.dumps({"model": "m", "max_tokens": 1,
+                                   "prompt": "x" * max(1, args.body_bytes - 40)}))
+    direct_lua, epp_lua = work / "direct.lua", work / "epp.lua"
+    direct_lua.write_text(LUA % {"body": body, "extra":
+                                 f'wrk.headers["x-gateway-destination-endpoint"] = "127.0.0.1:{up_port}"'})
+    epp_lua.write_text(LUA % {"body": body, "extra": ""})
+    upstream = EnvoyProcess()
+    envoys: list[EnvoyProcess] = [upstream]
+    rows: list[Row] = []
+    try:
+        await upstream.start(UPSTREAM_YAML % {"port": up_port, "admin": free_port()},
+                             work / "upstream", concurrency=1)
+        await upstream.wait_ready()
+        direct = EnvoyProcess()
+        envoys.append(direct)
+        gw_direct = free_port()
+        await direct.start(without_ext_proc(render_envoy_config(
+            listen_port=gw_direct, epp_port=1, admin_port=free_port())), work / "direct",
+            concurrency=args.envoy_workers)
+        await direct.wait_ready()
+        url_direct = f"http://127.0.0.1:{gw_direct}/v1/completions"
+        for conc in args.concurrency:
+            await run_wrk(url_direct, direct_lua, conc, args.warmup)
+            rps, p50, p99, errs, _ = await run_wrk(url_direct, direct_lua, conc, args.duration)
+            rows.append(Row("Envoy alone", conc, rps, p50, p99, errs, None))
+            for workers in args.workers:
+                rows.append(await _epp_case(args, work, up_port, epp_lua, conc, workers))
+    finally:
+        for e in envoys:
+            await e.stop()
+    return rows
+
+
+async def _epp_case(args: argparse.Namespace, work: Path, up_port: int, lua: Path, conc: int,
+                    workers: int) -> Row:
+    grpc_port = free_port()
+    argv = [sys.executable, "-m", "epp.cli", "serve", "--bind-address", "127.0.0.1",
+            "--grpc-port", str(grpc_port), "--grpc-health-port", str(free_port()),
+            "--metrics-port", str(free_port()), "--log-level", "warning",
+            "--endpoints", f"127.0.0.1:{up_port}", "--no-metrics-scraping"]
+    if workers != 1:
+        argv += ["--workers", str(workers)]
+    epp = ManagedProcess(argv, log_path=work / f"epp-{workers}-{conc}.log")
+    gw = EnvoyProcess()
+    try:
+        await epp.start()
+        await wait_port("127.0.0.1", grpc_port, 30)
+        port = free_port()
+        await gw.start(render_envoy_config(listen_port=port, epp_port=grpc_port,
+                                           admin_port=free_port(), body_mode=args.body_mode),
+                       work / f"gw-{workers}-{conc}", concurrency=args.envoy_workers)
+        await gw.wait_ready()
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        await run_wrk(url, lua, conc, args.warmup)
+        assert epp.pid is not None
+        pids = _tree(epp.pid)
+        c0 = _cpu_seconds(pids)
+        spy = None
+        if args.pyspy:
+            spy = await asyncio.create_subprocess_exec(
+                "py-spy", "record", "-p", str(epp.pid), "-d", str(max(1, int(args.duration) - 1)),
+                "-r", "250", "--format", "raw", "-o", f"{args.pyspy}-{workers}-{conc}.raw",
+                "--nonblocking", stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.DEVNULL)
+        rps, p50, p99, errs, total = await run_wrk(url, lua, conc, args.duration)
+        cpu = _cpu_seconds(pids) - c0
+        if spy is not None:
+            await spy.wait()
+        label = f"Envoy + EPP ({workers} worker{'s' if workers != 1 else ''})"
+        return Row(label, conc, rps, p50, p99, errs, 1e6 * cpu / total if total else None)
+    finally:
+        await gw.stop()
+        await epp.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration", type=float, default=10.0)
+    ap.add_argument("--warmup", type=float, default=2.0)
+    ap.add_argument("--concurrency", type=int, action="append")
+    ap.add_argument("--workers", type=int, action="append")
+    ap.add_argument("--body-bytes", type=int, default=2048)
+    ap.add_argument("--envoy-workers", type=int, default=2)
+    ap.add_argument("--body-mode", default="FULL_DUPLEX_STREAMED",
+                    choices=["FULL_DUPLEX_STREAMED", "BUFFERED"])
+    ap.add_argument("--json", help="also write the rows as JSON to this file")
+    ap.add_argument("--smoke", action="store_true", help="tiny run for CI")
+    ap.add_argument("--pyspy", metavar="PREFIX",
+                    help="record a py-spy raw profile of the EPP per case to PREFIX-W-C.raw")
+    args = ap.parse_args()
+    args.concurrency = args.concurrency or [16, 64]
+    args.workers = args.workers or [1]
+    if args.smoke:
+        args.duration, args.warmup, args.concurrency = 1.0, 0.5, [8]
+    rows = asyncio.run(main_async(args))
+    print(f"# body {args.body_bytes} B, Envoy {args.envoy_workers} workers, {args.body_mode}, "
+          f"{args.duration:g}s per case after {args.warmup:g}s warm-up")
+    print("| case | conc | req/s | p50 ms | p99 ms | errors | EPP CPU µs/req | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    alone = {r.concurrency: r.rps for r in rows if r.case == "Envoy alone"}
+    for r in rows:
+        cpu = "-" if r.epp_cpu_us is None else f"{r.epp_cpu_us:.0f}"
+        print(f"| {r.case} | {r.concurrency} | {r.rps:.0f} | {r.p50_ms:.2f} | {r.p99_ms:.2f} | "
+              f"{r.errors} | {cpu} | {r.rps / alone[r.concurrency]:.2f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps([r.__dict__ for r in rows], indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,754 @@
+"""``epp bench``: routing quality, side by side.
+
+For each router — this EPP behind Envoy (ext_proc), Envoy round robin, Envoy random, and
+``sglang-router --policy cache_aware`` when it can be installed — start *fresh*
+simulated pods (one ``epp sim`` process per pod, cold caches), the router in front of
+them, and play the same open-loop trace (:mod:`epp.bench.traces`) through it. Then
+report TTFT and end-to-end latency percentiles, the prefix-cache hit rate (cached prompt
+tokens / prompt tokens, from the responses' usage), throughput, errors and per-pod share,
+next to the offline ceiling (:mod:`epp.bench.ceiling`) for the same trace; write
+``results.json`` and ``chart.png`` and print a table.
+
+Routers run one after another, each stack stopped before the next starts, so they do not
+compete for the CPU. ``--repeat K`` plays the rounds K times (router order rotating)
+and reports the median of each metric over the rounds. Everything listens on 127.0.0.1
+and every run is bounded by its trace (count) and ``--duration`` plus a drain timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import math
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from contextlib import AsyncExitStack
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Final, Sequence
+
+import aiohttp
+import yaml
+
+from epp.bench.ceiling import Replay, ceiling
+from epp.bench.runner import Result, stream_chat
+from epp.bench.traces import WORKLOADS, SimCosts, TraceRequest, capacity, default_shape, make_trace
+from epp.stack.envoy import EnvoyProcess, render_envoy_config, without_ext_proc
+from epp.stack.procs import ManagedProcess, free_port, wait_port
+
+MODEL: Final = "sim-model"
+ROUTERS: Final = ("epp", "round-robin", "random", "sglang")
+SGLANG_REQUIREMENT: Final = "sglang-router>=0.3,<0.4"
+
+#: Realistic step costs (docs/simulator.md): prefill dominates TTFT, so a cache hit saves
+#: far more than the EPP's own per-request overhead costs.
+BASE_SIM_ARGS: Final = "--prefill-ms-per-token 0.05 --decode-base-ms 10 --decode-per-seq-ms 0.1"
+#: KV pool per pod (blocks of 16 tokens), per workload. shared-prefix: the 100 distinct
+#: 3,000-token prefixes are 2.3× the 4 pods' combined 128k tokens.
+NUM_GPU_BLOCKS: Final = {"shared-prefix": 2000, "multi-turn": 4000, "hot-spot": 2000,
+                         "mix": 3000}
+SMOKE_NUM_GPU_BLOCKS: Final = 64
+
+# Targets of issue 4.
+TARGET_HIT_VS_BOUND: Final = 0.95
+TARGET_TTFT_P90_VS_RR_SHARED_PREFIX: Final = 0.75
+
+
+# ----------------------------------------------------------------- routers
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSpec:
+    kind: str
+    label: str
+    config: str | None = None
+
+
+def parse_routers(text: str, config: str | None) -> list[RouterSpec]:
+    """``epp,round-robin,random,sglang``; ``epp=FILE`` adds an EPP with that config
+    (labelled ``epp:<file stem>``), so configs can be compared in one run."""
+    out: list[RouterSpec] = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        kind, _, path = item.partition("=")
+        if kind not in ROUTERS:
+            raise ValueError(f"unknown router {kind!r}; expected {', '.join(ROUTERS)} "
+                             "(or epp=CONFIG_FILE)")
+        if path and kind != "epp":
+            raise ValueError(f"only epp takes a config file, got {item!r}")
+        if kind == "epp":
+            cfg = path or config
+            label = f"epp:{Path(path).stem}" if path else "epp"
+            out.append(RouterSpec("epp", label, str(Path(cfg).resolve()) if cfg else None))
+        else:
+            out.append(RouterSpec(kind, kind))
+    labels = [r.label for r in out]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"a router is named twice: {text!r}")
+    if not out:
+        raise ValueError("no router given")
+    return out
+
+
+def ensure_sglang(install: bool, log: Callable[[str], None] = print) -> str | None:
+    """None when ``sglang_router`` can be used, else why not. With ``install``, a missing
+    package is installed into this interpreter's environment with pip first."""
+    if importlib.util.find_spec("sglang_router") is not None:
+        return None
+    if not install:
+        return "sglang-router is not installed (pip install 'sglang-router>=0.3,<0.4')"
+    log(f"installing {SGLANG_REQUIREMENT} into {sys.prefix} ...")
+    try:
+        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", SGLANG_REQUIREMENT],
+                           capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"pip install {SGLANG_REQUIREMENT} failed: {e}"
+    importlib.invalidate_caches()
+    if r.returncode != 0 or importlib.util.find_spec("sglang_router") is None:
+        tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
+        return f"pip install {SGLANG_REQUIREMENT} failed: {' | '.join(tail) or r.returncode}"
+    return None
+
+
+def envoy_random_config(listen_port: int, admin_port: int, pods: Sequence[str]) -> str:
+    """Envoy without ext_proc whose pool cluster balances with the RANDOM policy."""
+    base = without_ext_proc(render_envoy_config(listen_port=listen_port, epp_port=admin_port,
+                                                admin_port=admin_port, pool_endpoints=pods))
+    doc = yaml.safe_load(base)
+    for cluster in doc["static_resources"]["clusters"]:
+        if cluster["name"] == "original_destination_cluster":
+            cluster.pop("load_balancing_policy", None)
+            cluster["lb_policy"] = "RANDOM"
+    return str(yaml.safe_dump(doc, sort_keys=False))
+
+
+class Stack:
+    """One router and its fresh pods; ``url`` is where clients send requests."""
+
+    def __init__(self, spec: RouterSpec, servers: int, sim_args: list[str], workdir: Path,
+                 epp_args: Sequence[str] = ()) -> None:
+        self.spec = spec
+        self.servers = servers
+        self.sim_args = sim_args
+        self.workdir = workdir
+        self.epp_args = list(epp_args)
+        self.ports = [free_port() for _ in range(servers)]
+        self.pods = [f"sim-{p}" for p in self.ports]
+        self.url = ""
+        self._stack = AsyncExitStack()
+        self._procs: list[tuple[str, ManagedProcess | EnvoyProcess]] = []
+
+    def _managed(self, name: str, argv: list[str]) -> ManagedProcess:
+        proc = ManagedProcess(argv, log_path=self.workdir / f"{name}.log")
+        self._procs.append((name, proc))
+        self._stack.push_async_callback(proc.stop)
+        return proc
+
+    async def __aenter__(self) -> Stack:
+        try:
+            await self._start()
+        except BaseException:
+            await self._stack.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._stack.aclose()
+
+    def log_tails(self) -> str:
+        return "\n".join(f"--- {name} ---\n{p.log_tail(15)}" for name, p in self._procs)
+
+    async def _start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        sims = [self._managed(f"sim-{p}", [sys.executable, "-m", "epp.cli", "sim", "--model",
+                                           MODEL, *self.sim_args, "--port", str(p)])
+                for p in self.ports]
+        await asyncio.gather(*(s.start() for s in sims))
+        await asyncio.gather(*(wait_port("127.0.0.1", p, timeout=30) for p in self.ports))
+        addrs = [f"127.0.0.1:{p}" for p in self.ports]
+        kind = self.spec.kind
+        gw = free_port()
+        if kind == "epp":
+            grpc_port, health_port, metrics_port = free_port(), free_port(), free_port()
+            endpoints = self.workdir / "endpoints.yaml"
+            endpoints.write_text(yaml.safe_dump({"endpoints": [
+                {"address": "127.0.0.1", "port": p, "name": f"sim-{p}"} for p in self.ports]}))
+            argv = [sys.executable, "-m", "epp.cli", "serve", "--bind-address", "127.0.0.1",
+                    "--grpc-port", str(grpc_port), "--grpc-health-port", str(health_port),
+                    "--metrics-port", str(metrics_port), "--endpoints-file", str(endpoints),
+                    "--log-level", "warning", *self.epp_args]
+            if self.spec.config:
+                argv += ["--config-file", self.spec.config]
+            epp = self._managed("epp", argv)
+            await epp.start()
+            await wait_port("127.0.0.1", grpc_port, timeout=30)
+            await self._envoy(render_envoy_config(listen_port=gw, epp_port=grpc_port,
+                                                  admin_port=free_port()))
+            # Let the scraper see every pod once (cache_config_info for autoTune).
+            await asyncio.sleep(1.0)
+        elif kind == "round-robin":
+            await self._envoy(without_ext_proc(render_envoy_config(
+                listen_port=gw, epp_port=free_port(), admin_port=free_port(),
+                pool_endpoints=addrs)))
+        elif kind == "random":
+            await self._envoy(envoy_random_config(gw, free_port(), addrs))
+        elif kind == "sglang":
+            router = self._managed("sglang-router", [
+                sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                "--port", str(gw), "--policy", "cache_aware", "--log-level", "warn",
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                "--worker-urls", *(f"http://{a}" for a in addrs)])
+            await router.start()
+            await wait_port("127.0.0.1", gw, timeout=60)
+        else:  # pragma: no cover - parse_routers rejects it
+            raise ValueError(kind)
+        self.url = f"http://127.0.0.1:{gw}"
+        await self._probe()
+
+    async def _envoy(self, config: str) -> None:
+        envoy = EnvoyProcess()
+        self._procs.append(("envoy", envoy))
+        self._stack.push_async_callback(envoy.stop)
+        await envoy.start(config, self.workdir / "envoy")
+        await envoy.wait_ready(timeout=30)
+
+    async def _probe(self, timeout: float = 60.0) -> None:
+        """Wait until a one-word chat request through the router succeeds (sglang-router
+        answers before it has registered its workers)."""
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "ready"}],
+                "max_tokens": 1}
+        deadline = time.monotonic() + timeout
+        last = ""
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
+            while time.monotonic() < deadline:
+                try:
+                    async with s.post(self.url + "/v1/chat/completions", json=body) as r:
+                        await r.read()
+                        if r.status == 200:
+                            return
+                        last = f"HTTP {r.status}"
+                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                    last = type(e).__name__
+                await asyncio.sleep(0.25)
+        raise TimeoutError(f"{self.spec.label}: no successful request within {timeout:g}s "
+                           f"({last})")
+
+
+# ----------------------------------------------------------------- open-loop run
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    index: int
+    kind: str
+    sent_at: float
+    result: Result
+
+
+async def play(url: str, trace: Sequence[TraceRequest], *, duration_s: float,
+               drain_s: float = 30.0, model: str = MODEL,
+               progress: Callable[[int, int, float], None] | None = None
+               ) -> tuple[list[Sample], float, int]:
+    """Send ``trace`` open loop; (samples, elapsed seconds, requests not sent or cut).
+
+    Each request is sent at its planned time — and not before the answer to the request
+    it follows (``after``). Nothing is sent after ``duration_s``; requests still in flight
+    ``drain_s`` later are cancelled.
+    """
+    endpoint = url.rstrip("/") + "/v1/chat/completions"
+    done: dict[int, asyncio.Event] = {}
+    for r in trace:
+        if r.after is not None:
+            done.setdefault(r.after, asyncio.Event())
+    samples: list[Sample] = []
+    skipped = 0
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    deadline = start + duration_s
+
+    async def one(session: aiohttp.ClientSession, r: TraceRequest) -> None:
+        nonlocal skipped
+        try:
+            if r.after is not None:
+                await done[r.after].wait()
+            if loop.time() >= deadline:
+                skipped += 1
+                return
+            sent = loop.time() - start
+            result, _ = await stream_chat(session, endpoint, r.body(model))
+            samples.append(Sample(r.index, r.kind, sent, result))
+        finally:
+            ev = done.get(r.index)
+            if ev is not None:
+                ev.set()
+
+    async def ticker() -> None:
+        while progress is not None:
+            await asyncio.sleep(1.0)
+            progress(len(samples), sum(1 for s in samples if s.result.status != 200
+                                       or s.result.error), loop.time() - start)
+
+    timeout = aiohttp.ClientTimeout(total=duration_s + drain_s + 10)
+    async with aiohttp.ClientSession(timeout=timeout,
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        tasks: list[asyncio.Task[None]] = []
+        tick = asyncio.create_task(ticker())
+        try:
+            for r in trace:
+                at = start + r.at
+                if at >= deadline:
+                    skipped += 1
+                    continue
+                delay = at - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(one(session, r)))
+            if tasks:
+                _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline + drain_s
+                                                                    - loop.time()))
+                for t in pending:
+                    t.cancel()
+                skipped += len(pending)
+                await asyncio.gather(*pending, return_exceptions=True)
+        finally:
+            tick.cancel()
+            for t in tasks:
+                t.cancel()
+    elapsed = (max((s.sent_at + s.result.latency_s for s in samples), default=0.0)
+               if samples else loop.time() - start)
+    return samples, elapsed, skipped
+
+
+# ----------------------------------------------------------------- statistics
+
+
+def quantile(xs: Sequence[float], q: float) -> float:
+    """Nearest-rank quantile (NaN for no data)."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def summarize(samples: Sequence[Sample], elapsed_s: float, skipped: int,
+              pods: Sequence[str]) -> dict[str, Any]:
+    ok = [s.result for s in samples if s.result.status == 200 and not s.result.error]
+    errors = Counter(s.result.error or f"HTTP {s.result.status}" for s in samples
+                     if s.result.status != 200 or s.result.error)
+    ttft = [r.ttft_s for r in ok]
+    e2e = [r.latency_s for r in ok]
+    prompt = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
+    by_pod = Counter(r.server for r in ok)
+    share = {f"pod{i}": by_pod.get(name, 0) / len(ok) if ok else 0.0
+             for i, name in enumerate(pods)}
+    other = sum(c for name, c in by_pod.items() if name not in pods)
+    if other:
+        share["other"] = other / len(ok)
+    out: dict[str, Any] = {
+        "requests": len(samples), "ok": len(ok), "errors": sum(errors.values()),
+        "error_kinds": dict(errors), "not_sent_or_cut": skipped,
+        "elapsed_s": elapsed_s, "throughput_rps": len(ok) / elapsed_s if elapsed_s else 0.0,
+        "hit_rate": cached / prompt if prompt else 0.0,
+        "prompt_tokens": prompt, "cached_tokens": cached, "share": share,
+        "share_max": max(share.values(), default=0.0),
+    }
+    for name, xs in (("ttft", ttft), ("e2e", e2e)):
+        for q in (50, 90, 99):
+            out[f"{name}_p{q}_ms"] = 1000 * quantile(xs, q / 100)
+    kinds = sorted({s.kind for s in samples})
+    if len(kinds) > 1:
+        out["by_kind"] = {}
+        for k in kinds:
+            kok = [s.result for s in samples if s.kind == k and s.result.status == 200
+                   and not s.result.error]
+            kp = sum(r.prompt_tokens for r in kok)
+            out["by_kind"][k] = {
+                "ok": len(kok),
+                "ttft_p50_ms": 1000 * quantile([r.ttft_s for r in kok], 0.5),
+                "ttft_p90_ms": 1000 * quantile([r.ttft_s for r in kok], 0.9),
+                "hit_rate": sum(r.cached_tokens for r in kok) / kp if kp else 0.0,
+            }
+    return out
+
+
+_MEDIAN_KEYS: Final = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "e2e_p50_ms",
+                       "e2e_p90_ms", "e2e_p99_ms", "hit_rate", "throughput_rps", "share_max")
+
+
+def median_of(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per-metric medians over rounds (sums for counts)."""
+    out: dict[str, Any] = {k: statistics.median(r[k] for r in rounds) for k in _MEDIAN_KEYS}
+    for k in ("requests", "ok", "errors", "not_sent_or_cut"):
+        out[k] = sum(r[k] for r in rounds)
+    kinds: Counter[str] = Counter()
+    for r in rounds:
+        kinds.update(r["error_kinds"])
+    out["error_kinds"] = dict(kinds)
+    pods = sorted({p for r in rounds for p in r["share"]})
+    out["share"] = {p: statistics.median(r["share"].get(p, 0.0) for r in rounds) for p in pods}
+    if all("by_kind" in r for r in rounds):
+        out["by_kind"] = {
+            k: {m: statistics.median(r["by_kind"][k][m] for r in rounds
+                                     if k in r["by_kind"])
+                for m in ("ttft_p50_ms", "ttft_p90_ms", "hit_rate")}
+            for k in rounds[0]["by_kind"]}
+    out["rounds"] = len(rounds)
+    return out
+
+
+def verdicts(workload: str, results: dict[str, dict[str, Any]], bound: float
+             ) -> list[dict[str, Any]]:
+    """The issue's targets, checked for every EPP router that ran."""
+    out: list[dict[str, Any]] = []
+    rr = results.get("round-robin")
+    sg = results.get("sglang")
+    for label, m in results.items():
+        if not label.startswith("epp"):
+            continue
+        ratio = m["hit_rate"] / bound if bound else float("nan")
+        out.append({"router": label, "target": f"hit rate >= {TARGET_HIT_VS_BOUND:.0%} of "
+                    "the ceiling", "value": ratio, "met": ratio >= TARGET_HIT_VS_BOUND})
+        p90 = m["ttft_p90_ms"]
+        if workload == "shared-prefix" and rr:
+            r = p90 / rr["ttft_p90_ms"]
+            out.append({"router": label, "target": "TTFT p90 <= 0.75 x round-robin's",
+                        "value": r, "met": r <= TARGET_TTFT_P90_VS_RR_SHARED_PREFIX})
+        if workload == "multi-turn" and sg:
+            r = p90 / sg["ttft_p90_ms"]
+            out.append({"router": label, "target": "TTFT p90 <= sglang cache_aware's",
+                        "value": r, "met": r <= 1.0})
+        if workload == "hot-spot" and rr:
+            r = p90 / rr["ttft_p90_ms"]
+            out.append({"router": label, "target": "TTFT p90 <= round-robin's",
+                        "value": r, "met": r <= 1.0})
+    return out
+
+
+# ----------------------------------------------------------------- output
+
+
+def _ms(x: float) -> str:
+    return "-" if x != x else f"{x:.0f}"
+
+
+def table(report: dict[str, Any]) -> str:
+    results: dict[str, dict[str, Any]] = report["results"]
+    bound = report["ceiling"]["bound"]["hit_rate"]
+    labels = list(results)
+    w = max(12, *(len(lbl) + 2 for lbl in labels))
+    rows: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+        ("TTFT p50 ms", lambda m: _ms(m["ttft_p50_ms"])),
+        ("TTFT p90 ms", lambda m: _ms(m["ttft_p90_ms"])),
+        ("TTFT p99 ms", lambda m: _ms(m["ttft_p99_ms"])),
+        ("e2e p50 ms", lambda m: _ms(m["e2e_p50_ms"])),
+        ("e2e p90 ms", lambda m: _ms(m["e2e_p90_ms"])),
+        ("e2e p99 ms", lambda m: _ms(m["e2e_p99_ms"])),
+        ("hit rate", lambda m: f"{100 * m['hit_rate']:.1f}%"),
+        ("hit / ceiling", lambda m: f"{m['hit_rate'] / bound:.2f}" if bound else "-"),
+        ("throughput req/s", lambda m: f"{m['throughput_rps']:.2f}"),
+        ("requests ok", lambda m: str(m["ok"])),
+        ("errors", lambda m: str(m["errors"])),
+        ("busiest pod share", lambda m: f"{100 * m['share_max']:.0f}%"),
+        ("pod shares %", lambda m: "/".join(f"{100 * v:.0f}" for v in m["share"].values())),
+    ]
+    c = report["ceiling"]
+    lines = [f"workload {report['workload']}: {report['offered_rps']:.2f} req/s offered "
+             f"({report['load_vs_capacity']:.0%} of the {report['capacity_rps']:.1f} req/s "
+             f"cold-cache capacity), {report['duration_s']:g}s, {report['servers']} pods, "
+             f"{report['rounds']} round(s)",
+             "ceiling (offline replay, hit rate): " + ", ".join(
+                 f"{k} {100 * v['hit_rate']:.1f}%" for k, v in c.items() if k != "bound")
+             + f"; bound {100 * bound:.1f}%",
+             "", f"{'':20}" + "".join(f"{lbl:>{w}}" for lbl in labels)]
+    for name, fn in rows:
+        lines.append(f"{name:20}" + "".join(f"{fn(results[lbl]):>{w}}" for lbl in labels))
+    if report.get("skipped"):
+        for lbl, why in report["skipped"].items():
+            lines.append(f"skipped {lbl}: {why}")
+    for v in report["verdicts"]:
+        lines.append(f"target [{v['router']}] {v['target']}: {v['value']:.2f} -> "
+                     f"{'met' if v['met'] else 'NOT met'}")
+    return "\n".join(lines)
+
+
+def have_matplotlib(install: bool, log: Callable[[str], None] = print) -> bool:
+    if importlib.util.find_spec("matplotlib") is not None:
+        return True
+    if not install:
+        return False
+    log("installing matplotlib for the chart ...")
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "matplotlib"],
+                       capture_output=True, text=True, timeout=300)
+    importlib.invalidate_caches()
+    return r.returncode == 0 and importlib.util.find_spec("matplotlib") is not None
+
+
+def chart(report: dict[str, Any], path: Path) -> None:
+    """A PNG: TTFT percentiles, hit rate against the ceiling, and per-pod share."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results: dict[str, dict[str, Any]] = report["results"]
+    labels = list(results)
+    x = range(len(labels))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    ax = axes[0]
+    width = 0.27
+    for j, q in enumerate((50, 90, 99)):
+        ax.bar([i + (j - 1) * width for i in x], [results[lbl][f"ttft_p{q}_ms"] for lbl in labels],
+               width, label=f"p{q}")
+    ax.set_xticks(list(x), labels, rotation=15)
+    ax.set_ylabel("TTFT (ms)")
+    ax.set_title("time to first token")
+    ax.legend()
+    ax = axes[1]
+    ax.bar(list(x), [100 * results[lbl]["hit_rate"] for lbl in labels], color="tab:green")
+    bound = 100 * report["ceiling"]["bound"]["hit_rate"]
+    ax.axhline(bound, color="black", linestyle="--", label=f"ceiling {bound:.0f}%")
+    ax.axhline(TARGET_HIT_VS_BOUND * bound, color="grey", linestyle=":",
+               label=f"95% of ceiling")
+    ax.set_xticks(list(x), labels, rotation=15)
+    ax.set_ylabel("prefix-cache hit rate (%)")
+    ax.set_title("cached prompt tokens / prompt tokens")
+    ax.legend(loc="lower right")
+    ax = axes[2]
+    pods = sorted({p for lbl in labels for p in results[lbl]["share"]})
+    bottom = [0.0] * len(labels)
+    for p in pods:
+        vals = [100 * results[lbl]["share"].get(p, 0.0) for lbl in labels]
+        ax.bar(list(x), vals, bottom=bottom, label=p)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xticks(list(x), labels, rotation=15)
+    ax.set_ylabel("share of requests (%)")
+    ax.set_title("per-pod share")
+    ax.legend(fontsize="small")
+    fig.suptitle(f"epp bench — {report['workload']}, {report['offered_rps']:.1f} req/s, "
+                 f"{report['servers']} pods")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def text_chart(report: dict[str, Any]) -> str:
+    """The chart's content as text bars (when matplotlib is not available)."""
+    results: dict[str, dict[str, Any]] = report["results"]
+    top = max((m["ttft_p90_ms"] for m in results.values() if m["ttft_p90_ms"] == m["ttft_p90_ms"]),
+              default=1.0) or 1.0
+    lines = ["TTFT p90"]
+    for lbl, m in results.items():
+        v = m["ttft_p90_ms"]
+        lines.append(f"  {lbl:14} {'#' * (round(40 * v / top) if v == v else 0)} {_ms(v)} ms")
+    lines.append("hit rate (| = ceiling)")
+    bound = report["ceiling"]["bound"]["hit_rate"]
+    for lbl, m in results.items():
+        bar = ["#" if i < round(40 * m["hit_rate"]) else " " for i in range(41)]
+        bar[min(40, round(40 * bound))] = "|"
+        lines.append(f"  {lbl:14} {''.join(bar)} {100 * m['hit_rate']:.1f}%")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------- the command
+
+
+def sim_config(sim_args: list[str]) -> Any:
+    from epp.sim.server import build_parser, config_from_args
+
+    return config_from_args(build_parser().parse_args(["--port", "1", *sim_args]))
+
+
+def effective_sim_args(workload: str, extra: str, smoke: bool) -> list[str]:
+    blocks = SMOKE_NUM_GPU_BLOCKS if smoke else NUM_GPU_BLOCKS[workload]
+    return [*shlex.split(BASE_SIM_ARGS), "--num-gpu-blocks", str(blocks), *shlex.split(extra)]
+
+
+def _ceiling_json(c: dict[str, Replay]) -> dict[str, Any]:
+    return {k: {"policy": v.policy, "hit_rate": v.hit_rate, "share": list(v.share)}
+            for k, v in c.items()}
+
+
+async def run_bench(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[str, Any]:
+    smoke = args.smoke
+    shape = default_shape(smoke)
+    sim_args = effective_sim_args(args.workload, args.sim_args or "", smoke)
+    cfg = sim_config(sim_args)
+    costs = SimCosts(cfg.prefill_ms_per_token * cfg.time_scale, cfg.decode_base_ms * cfg.time_scale,
+                     cfg.decode_per_seq_ms * cfg.time_scale, cfg.max_num_seqs,
+                     cfg.num_gpu_blocks, cfg.block_size)
+    # Capacity from the request mix (a long probe trace at a nominal rate).
+    probe = make_trace(args.workload, 10.0, 120.0, seed=args.seed, shape=shape)
+    cap = capacity(probe, costs, args.servers)
+    rate = args.rate if args.rate else args.load * cap
+    trace = make_trace(args.workload, rate, args.duration, seed=args.seed, shape=shape,
+                       max_requests=args.max_requests)
+    offered = len(trace) / args.duration
+    log(f"epp bench: workload {args.workload}, {len(trace)} requests over {args.duration:g}s "
+        f"({offered:.2f} req/s offered; cold-cache capacity {cap:.1f} req/s, so "
+        f"{offered / cap:.0%}), {args.servers} pods")
+    log(f"  sim args: {' '.join(sim_args)}")
+    c = ceiling(trace, servers=args.servers, num_gpu_blocks=cfg.num_gpu_blocks,
+                block_size=cfg.block_size)
+    log("  ceiling (offline replay): " + ", ".join(
+        f"{k} {100 * v.hit_rate:.1f}%" for k, v in c.items() if k != "bound"))
+    routers = parse_routers(args.routers, args.config)
+    skipped: dict[str, str] = {}
+    if any(r.kind == "sglang" for r in routers):
+        why = ensure_sglang(install=not smoke and not args.no_install, log=log)
+        if why:
+            log(f"  skipping sglang: {why}")
+            skipped["sglang"] = why
+            routers = [r for r in routers if r.kind != "sglang"]
+    out_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="epp-bench-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "samples.jsonl").unlink(missing_ok=True)
+    workdir = out_dir / "logs"
+    log(f"  output in {out_dir}")
+    rounds: dict[str, list[dict[str, Any]]] = {r.label: [] for r in routers}
+    for k in range(args.repeat):
+        order = routers[k % len(routers):] + routers[:k % len(routers)]
+        for spec in order:
+            log(f"\n[{spec.label}] round {k + 1}/{args.repeat}: starting "
+                f"{args.servers} fresh pods + router")
+            try:
+                async with Stack(spec, args.servers, sim_args,
+                                 workdir / f"{spec.label.replace(':', '-')}-{k}") as stack:
+
+                    def progress(n: int, errors: int, t: float, label: str = spec.label) -> None:
+                        if args.progress:
+                            log(f"  [{label}] {t:5.1f}s  {n:5d} done  {errors} errors")
+
+                    samples, elapsed, cut = await play(stack.url, trace,
+                                                       duration_s=args.duration,
+                                                       drain_s=args.drain, progress=progress)
+                    m = summarize(samples, elapsed, cut, stack.pods)
+                    if m["ok"] == 0:
+                        log(stack.log_tails())
+            except (OSError, RuntimeError, TimeoutError) as e:
+                if spec.kind != "sglang":
+                    raise
+                why = f"sglang-router did not start: {e}"
+                log(f"  skipping sglang: {why}")
+                skipped["sglang"] = why
+                rounds.pop(spec.label, None)
+                routers = [r for r in routers if r.kind != "sglang"]
+                continue
+            rounds[spec.label].append(m)
+            with open(out_dir / "samples.jsonl", "a") as f:
+                for smp in samples:
+                    f.write(json.dumps({"router": spec.label, "round": k, "index": smp.index,
+                                        "kind": smp.kind, "sent_at": round(smp.sent_at, 4),
+                                        **asdict(smp.result)}) + "\n")
+            log(f"  [{spec.label}] {m['ok']} ok, {m['errors']} errors, TTFT p90 "
+                f"{_ms(m['ttft_p90_ms'])} ms, hit rate {100 * m['hit_rate']:.1f}%")
+    results = {lbl: median_of(rs) for lbl, rs in rounds.items() if rs}
+    bound = c["bound"].hit_rate
+    report: dict[str, Any] = {
+        "workload": args.workload, "seed": args.seed, "servers": args.servers,
+        "duration_s": args.duration, "rounds": args.repeat, "smoke": smoke,
+        "requests_planned": len(trace), "offered_rps": offered, "capacity_rps": cap,
+        "load_vs_capacity": offered / cap if cap else float("nan"),
+        "sim_args": sim_args, "routers": {r.label: asdict(r) for r in routers},
+        "ceiling": _ceiling_json(c), "results": results,
+        "per_round": rounds, "skipped": skipped,
+        "verdicts": verdicts(args.workload, results, bound),
+        "machine": {"python": sys.version.split()[0], "cpus": _cpus()},
+    }
+    (out_dir / "results.json").write_text(json.dumps(report, indent=2, default=_nan_safe))
+    txt = table(report)
+    (out_dir / "table.txt").write_text(txt + "\n")
+    log("\n" + txt)
+    if results:
+        if have_matplotlib(install=not smoke and not args.no_install, log=log):
+            chart(report, out_dir / "chart.png")
+            log(f"\nwrote {out_dir / 'results.json'} and {out_dir / 'chart.png'}")
+        else:
+            (out_dir / "chart.txt").write_text(text_chart(report) + "\n")
+            log(f"\nmatplotlib is not available: wrote {out_dir / 'chart.txt'} (text bars) "
+                f"and {out_dir / 'results.json'}")
+    return report
+
+
+def _cpus() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
+
+
+def _nan_safe(o: object) -> object:
+    return str(o)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", choices=WORKLOADS, default="shared-prefix",
+                   help="request mix (default shared-prefix); see docs/benchmarks.md")
+    p.add_argument("--rate", type=float, default=0.0,
+                   help="arrival rate in requests/s (Poisson); default: --load × the pods' "
+                   "cold-cache capacity")
+    p.add_argument("--load", type=float, default=0.65,
+                   help="without --rate: fraction of the estimated capacity (default 0.65)")
+    p.add_argument("--duration", type=float, default=60.0,
+                   help="seconds of arrivals per router (default 60)")
+    p.add_argument("--drain", type=float, default=30.0,
+                   help="seconds to wait for requests in flight after the last arrival "
+                   "(default 30)")
+    p.add_argument("--max-requests", type=int, default=None,
+                   help="cap on requests per router (default: the trace's length)")
+    p.add_argument("--routers", default=",".join(ROUTERS),
+                   help="comma-separated: epp, round-robin, random, sglang, epp=CONFIG "
+                   f"(default {','.join(ROUTERS)})")
+    p.add_argument("--config", help="EndpointPickerConfig for the `epp` router "
+                   "(default: built-in)")
+    p.add_argument("--servers", type=int, default=4, help="simulated pods (default 4)")
+    p.add_argument("--sim-args", default="",
+                   help=f"extra `epp sim` options, after the defaults ({BASE_SIM_ARGS} "
+                   "--num-gpu-blocks per workload)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds per router; the report gives medians (default 1)")
+    p.add_argument("--seed", type=int, default=1, help="trace seed (default 1)")
+    p.add_argument("--out", help="output directory (default: a new temporary directory)")
+    p.add_argument("--smoke", action="store_true",
+                   help="a quick check for CI: small prompts and pool, nothing installed")
+    p.add_argument("--no-install", action="store_true",
+                   help="do not pip-install sglang-router or matplotlib when missing")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no per-second progress lines")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.smoke:
+        # Seconds, not minutes; only the routers that need nothing installed.
+        if args.duration == 60.0:
+            args.duration = 4.0
+        if args.drain == 30.0:
+            args.drain = 10.0
+        if args.routers == ",".join(ROUTERS):
+            args.routers = "epp,round-robin,random"
+        if args.servers == 4:
+            args.servers = 2
+        if not args.rate:
+            args.rate = 15.0
+    if args.servers < 1 or args.duration <= 0 or args.repeat < 1:
+        print("epp bench: --servers, --duration and --repeat must be positive", file=sys.stderr)
+        return 2
+    try:
+        parse_routers(args.routers, args.config)
+        report = asyncio.run(run_bench(args, log=lambda s: print(s, flush=True)))
+    except ValueError as e:
+        print(f"epp bench: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nstopped; everything the bench started has been stopped")
+        return 130
+    ok = all(m["ok"] > 0 for m in report["results"].values()) and report["results"]
+    return 0 if ok else 1
+

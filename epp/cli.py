@@ -63,6 +63,10 @@ def _add_observability_flags(p: argparse.ArgumentParser) -> None:
                    help="answer a client's 'x-epp-explain: true' with the decision (per-profile, "
                    "per-plugin scores, dropped endpoints) as JSON in the 'x-epp-explain' "
                    "response header (default off: clients never see it)")
+    g.add_argument("--tracing", action="store_true",
+                   help="OpenTelemetry tracing: a span per request with scheduling and plugin "
+                   "child spans, traceparent propagated upstream; exporter from OTEL_* "
+                   "environment (needs pip install 'epp[tracing]'; default off)")
     g.add_argument("--explain-history", type=int, default=0, metavar="N",
                    help="keep the last N decisions, explained, for GET /debug/decisions on the "
                    "metrics port (default 0: off)")
@@ -207,6 +211,11 @@ def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="skip the round-robin baseline")
     p.add_argument("--keep-running", action="store_true",
                    help="after the load, keep the stack up until Ctrl-C")
+    p.add_argument("--pd", action="store_true",
+                   help="prefill/decode disaggregation: two racks of 2 prefill + 2 decode pods "
+                   "with Grove labels and node topology, the EPP with config/pd-grove.yaml "
+                   "(topology-aware pairing); the summary adds the share of same-rack pairs "
+                   "(--servers and --no-compare do not apply)")
     p.add_argument("--log-level", default="warning",
                    choices=["debug", "info", "warning", "error"])
 
@@ -302,6 +311,7 @@ def _serve(args: argparse.Namespace) -> int:
         enable_explain_header=args.enable_explain_header,
         explain_history=args.explain_history,
         metrics_auth_token=token,
+        tracing=args.tracing,
     )
 
     async def main() -> None:

@@ -23,16 +23,18 @@ from epp.errors import EppError, ServiceUnavailable
 from epp.handlers.protocol import Routing
 from epp.observability.explain import DecisionLog, header_value, new_record
 from epp.observability.metrics import EppMetrics
+from epp.observability.tracing import PluginSpans, Tracing
 from epp.parsing.request import ParsedRequest, api_type_for_path, parse_request_body, rewrite_model
 from epp.parsing.usage import UsageParser
 from epp.scheduling.interfaces import (
+    Plugin,
     PreRequest,
     RequestHeaders,
     ResponseComplete,
     ResponseHeaders,
 )
 from epp.scheduling.scheduler import Scheduler
-from epp.scheduling.types import LLMRequest
+from epp.scheduling.types import LLMRequest, SchedulingResult
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,7 @@ class RequestContext:
     usage: UsageParser | None = None
     model_back: tuple[bytes, bytes, bytes, bytes] | None = None  # rewrite-back patterns
     explain: str | None = None  # decision JSON for the x-epp-explain response header
+    span: Any = None  # the OpenTelemetry request span, when tracing is on
 
 
 class Director:
@@ -62,6 +65,7 @@ class Director:
         response_headers: Sequence[ResponseHeaders] = (),
         explain_header: bool = False,
         decisions: DecisionLog | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.store = store
         self.scheduler = scheduler
@@ -72,6 +76,8 @@ class Director:
         self.response_headers = tuple(response_headers)
         self.explain_header = explain_header
         self.decisions = decisions
+        self.tracing = tracing
+        self._plugin_spans: PluginSpans | None = None
         # P/D handlers classify each decision ("disaggregated" / "decode-only").
         self._pd_decision = getattr(scheduler.handler, "decision", None)
 
@@ -84,6 +90,10 @@ class Director:
     ) -> Routing:
         incoming = target = ""
         record: dict[str, Any] | None = None
+        span = None
+        if self.tracing is not None:
+            span = self.tracing.start_request(headers)
+            self._plugin_spans = PluginSpans()
         try:
             request, parsed = self._build_request(headers, body, has_body)
             incoming, target = request.incoming_model, request.target_model
@@ -100,11 +110,18 @@ class Director:
             if self._explain_wanted(headers):
                 record = new_record(request.request_id, incoming, target, len(candidates))
             t0 = time.perf_counter()
+            t0_ns = time.time_ns()
             result = self.scheduler.schedule(
                 request, candidates, None if record is None else record["profiles"])
             self.metrics.scheduler_e2e.observe(time.perf_counter() - t0)
+            if span is not None:
+                self._trace_scheduling(span, t0_ns, request, result)
         except EppError as e:
             self.metrics.request_error_total.labels(incoming, target, str(e.status)).inc()
+            if span is not None:
+                span.set_attribute("http.status_code", e.status)
+                span.set_attribute("error.message", e.message)
+                span.end()
             if record is not None:
                 record["error"] = {"status": e.status, "message": e.message}
                 self._keep(record)
@@ -114,6 +131,9 @@ class Director:
             # and count it like any other error.
             log.exception("scheduling failed")
             self.metrics.request_error_total.labels(incoming, target, "500").inc()
+            if span is not None:
+                span.set_attribute("http.status_code", 500)
+                span.end()
             raise EppError("internal error in the endpoint picker") from e
 
         primary = result.primary.endpoints
@@ -128,6 +148,11 @@ class Director:
             set_headers[keys.HEADER_REQUEST_ID] = request.request_id
         new_body = None
         ctx = RequestContext(request, primary[0].key, time.monotonic())
+        if span is not None and self.tracing is not None:
+            ctx.span = span
+            tp = self.tracing.traceparent(span)
+            if tp:
+                set_headers[keys.HEADER_TRACEPARENT] = tp
         if record is not None:
             record["primary_profile"] = result.primary_profile
             record["destination"] = ",".join(e.key for e in primary)
@@ -150,6 +175,26 @@ class Director:
                                        "scheduling_ms": round(1000 * (time.perf_counter() - t0), 3)})
         return Routing(destination=",".join(e.key for e in primary), set_headers=set_headers,
                        body=new_body, context=ctx)
+
+    def plugin_timer(self, extension_point: str, plugin: Plugin, seconds: float) -> None:
+        """Fan-in point for plugin timings: feeds the current request's trace spans."""
+        spans = self._plugin_spans
+        if spans is not None:
+            spans.record(extension_point, plugin, seconds)
+
+    def _trace_scheduling(self, span: Any, t0_ns: int, request: LLMRequest,
+                          result: SchedulingResult) -> None:
+        assert self.tracing is not None
+        end = time.time_ns()
+        span.set_attribute("gen_ai.request.model", request.target_model)
+        span.set_attribute("epp.request_id", request.request_id)
+        self.tracing.child(span, "epp.scheduling", t0_ns, end, {
+            "epp.primary_profile": result.primary_profile,
+            "epp.endpoints": ",".join(e.key for e in result.primary.endpoints)})
+        spans, self._plugin_spans = self._plugin_spans, None
+        for ep, plugin, start, stop in (spans.calls if spans else ()):
+            self.tracing.child(span, f"{ep} {plugin.name}", start, stop,
+                               {"epp.plugin_type": plugin.type_name})
 
     def _explain_wanted(self, headers: Mapping[str, str]) -> bool:
         if self.decisions is not None:
@@ -246,6 +291,10 @@ class Director:
                 plugin.response_complete(req, ctx.endpoint_key, aborted)
             except Exception:
                 log.exception("ResponseComplete plugin %s failed", plugin.name)
+        if ctx.span is not None:
+            ctx.span.set_attribute("http.status_code", ctx.status)
+            ctx.span.set_attribute("epp.aborted", aborted)
+            ctx.span.end()
 
 
 def _model_patterns(target: str, incoming: str) -> tuple[bytes, bytes, bytes, bytes]:

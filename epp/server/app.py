@@ -43,6 +43,8 @@ from epp.errors import ConfigError
 from epp.handlers.extproc import ExtProcServicer
 from epp.observability.explain import DecisionLog
 from epp.observability.metrics import EppMetrics
+from epp.observability.tracing import Tracing
+from epp.scheduling.interfaces import Plugin
 from epp.requestcontrol.director import Director
 from epp.server.leader import LeaderElectionOptions, LeaderElector, default_identity, lease_name
 from epp.server.tls import load_key_pair, self_signed_key_pair
@@ -93,6 +95,7 @@ class ServeOptions:
     enable_explain_header: bool = False
     explain_history: int = 0
     metrics_auth_token: str | None = None  # bearer token required on /metrics and /debug/*
+    tracing: bool = False
 
 
 class EppServer:
@@ -102,6 +105,7 @@ class EppServer:
         self.metrics = EppMetrics(self.store)
         self.built: BuiltConfig | None = None
         self.decisions: DecisionLog | None = None
+        self.tracing: Tracing | None = None
         self._stream_outcomes: dict[str, Any] = {}
         self.director: Director | None = None
         self._static_file: StaticFileSource | None = None
@@ -117,8 +121,7 @@ class EppServer:
     async def start(self) -> None:
         o = self.options
         # Phase 1: everything that can be validated without binding a port.
-        self.built = load_and_build(o.config_file, o.config_text,
-                                    timer=self.metrics.observe_plugin)
+        self.built = load_and_build(o.config_file, o.config_text, timer=self._plugin_timer)
         kube = self._kubernetes_options()
         if sum(x is not None for x in (o.endpoints, o.endpoints_file, kube)) != 1:
             raise ConfigError("give exactly one endpoint source: --endpoints ip:port[,…], "
@@ -139,11 +142,12 @@ class EppServer:
         for plugin in self.built.endpoint_removed:
             self.store.on_removed(lambda ep, p=plugin: p.endpoint_removed(ep.key))
         self.decisions = DecisionLog(o.explain_history) if o.explain_history > 0 else None
+        self.tracing = Tracing() if o.tracing else None
         self.director = Director(self.store, self.built.scheduler, self.metrics,
                                  self.built.pre_request, self.built.response_complete,
                                  self.built.request_headers, self.built.response_headers,
                                  explain_header=o.enable_explain_header,
-                                 decisions=self.decisions)
+                                 decisions=self.decisions, tracing=self.tracing)
         scraper: MetricsScraper | None = None
         if o.scrape_metrics:
             scraper = MetricsScraper(self.store, o.scrape,
@@ -226,6 +230,11 @@ class EppServer:
         self._bind(server, self.options.grpc_health_port, "gRPC health")
         await server.start()
         self._health_server = server
+
+    def _plugin_timer(self, extension_point: str, plugin: Plugin, seconds: float) -> None:
+        self.metrics.observe_plugin(extension_point, plugin, seconds)
+        if self.tracing is not None and self.director is not None:
+            self.director.plugin_timer(extension_point, plugin, seconds)
 
     def _stream_ended(self, outcome: str) -> None:
         child = self._stream_outcomes.get(outcome)
@@ -360,6 +369,9 @@ class EppServer:
         if self._metrics_runner is not None:
             await self._metrics_runner.cleanup()
             self._metrics_runner = None
+        if self.tracing is not None:
+            self.tracing.shutdown()  # flushes spans still queued for export
+            self.tracing = None
 
 
 async def serve_forever(options: ServeOptions, stop_event: asyncio.Event) -> None:

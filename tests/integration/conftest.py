@@ -60,6 +60,7 @@ class Epp:
     metrics_port: int = field(default_factory=free_port)
     config: str | None = CONFIG  # None: the built-in default config
     extra_args: list[str] = field(default_factory=list)
+    extra_env: dict[str, str] = field(default_factory=dict)
     proc: ManagedProcess | None = None
     starts: int = 0
 
@@ -80,7 +81,8 @@ class Epp:
              *(["--config-text", self.config] if self.config is not None else []),
              "--max-request-body-bytes", str(MAX_BODY), "--log-level", "info",
              *self.extra_args],
-            log_path=self.workdir / f"epp-{self.starts}.log", env=_env(), cwd=ROOT)
+            log_path=self.workdir / f"epp-{self.starts}.log", env={**_env(), **self.extra_env},
+            cwd=ROOT)
         await self.proc.start()
         try:
             await wait_port("127.0.0.1", self.grpc_port, timeout=20)
@@ -137,14 +139,16 @@ async def session() -> AsyncIterator[aiohttp.ClientSession]:
 
 async def start_stack(mode: str, upstreams: Upstreams, workdir: Path,
                       endpoint_ports: list[int] | None = None, config: str | None = CONFIG,
-                      override_host: bool = False, extra_args: list[str] | None = None) -> Stack:
+                      override_host: bool = False, extra_args: list[str] | None = None,
+                      extra_env: dict[str, str] | None = None) -> Stack:
     """Envoy + EPP over ``endpoint_ports`` (default: the first three upstreams).
 
     ``override_host``: route with Envoy's override_host policy over a STATIC cluster of the
     endpoints (needed for fallbacks), instead of the ORIGINAL_DST cluster.
     """
     ports = endpoint_ports if endpoint_ports is not None else upstreams.ports[:3]
-    epp = Epp(workdir, workdir / "endpoints.yaml", config=config, extra_args=extra_args or [])
+    epp = Epp(workdir, workdir / "endpoints.yaml", config=config, extra_args=extra_args or [],
+              extra_env=extra_env or {})
     epp.write_endpoints(ports)
     await epp.start()
     port = free_port()

@@ -9,7 +9,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from tests.integration.conftest import MAX_BODY, Upstreams, start_stack, stop_stack
+from tests.integration.conftest import MAX_BODY, Upstreams, eventually, start_stack, stop_stack
 
 
 def samples(text: str, name: str) -> dict[str, float]:
@@ -58,8 +58,20 @@ async def test_metrics_count_requests_errors_and_tokens(
 
         async with session.get(murl + "/metrics") as r:
             assert r.status == 401
-        async with session.get(murl + "/metrics", headers=auth) as r:
-            text = await r.text()
+
+        async def scrape() -> str:
+            async with session.get(murl + "/metrics", headers=auth) as r:
+                return await r.text()
+
+        async def streams_closed() -> str | None:
+            # A stream's outcome is counted when Envoy closes the gRPC stream, which can be
+            # just after the client has its response.
+            text = await scrape()
+            st = samples(text, "epp_extproc_streams_total")
+            done = st.get('{outcome="completed"}') == 8 and st.get('{outcome="rejected"}') == 4
+            return text if done else None
+
+        text = await eventually(streams_closed, timeout=10)
         total = samples(text, "inference_objective_request_total")
         assert total['{model_name="food-review",target_model_name="food-review"}'] == 8
         errors = samples(text, "inference_objective_request_error_total")
@@ -106,3 +118,27 @@ async def test_explain_header_is_ignored_unless_enabled(
             assert r.status == 404
     finally:
         await stop_stack(s)
+
+
+async def test_tracing_propagates_traceparent_to_the_model_server(
+        upstreams: Upstreams, session: aiohttp.ClientSession, tmp_path: Path) -> None:
+    trace_id = uuid.uuid4().hex
+    s = await start_stack("FULL_DUPLEX_STREAMED", upstreams, tmp_path, extra_args=["--tracing"],
+                          extra_env={"OTEL_TRACES_EXPORTER": "console"})
+    try:
+        rid = uuid.uuid4().hex
+        pin = upstreams.ports[1]
+        async with session.post(s.url + "/v1/completions",
+                                data=orjson.dumps({"model": "m", "prompt": "hi"}),
+                                headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01",
+                                         "x-request-id": rid, "x-test-pin": str(pin)}) as r:
+            assert r.status == 200
+        async with session.get(f"http://127.0.0.1:{pin}/debug/requests") as r:
+            recs = [x for x in await r.json() if x["headers"].get("x-request-id") == rid]
+        tp = recs[0]["headers"]["traceparent"].split("-")
+        assert tp[1] == trace_id and tp[2] != "00f067aa0ba902b7"  # child of the client's span
+    finally:
+        await stop_stack(s)  # flushes the console exporter
+    log = (tmp_path / "epp-1.log").read_text()
+    assert '"name": "epp.request"' in log and f'"trace_id": "0x{trace_id}"' in log
+    assert '"name": "epp.scheduling"' in log

@@ -1,0 +1,88 @@
+"""Optional OpenTelemetry tracing (``epp serve --tracing``; off by default).
+
+One span per request (``epp.request``, from routing to the end of the response, a child of
+the client's ``traceparent`` when it sends one), with a ``epp.scheduling`` child and one
+child per plugin call (built after the fact from the plugin timer, so plugins stay plain
+functions). The request span's context is propagated to the model server in the
+``traceparent`` header. The exporter follows the standard OTEL_* environment:
+``OTEL_TRACES_EXPORTER`` (``otlp``, the default, or ``console``),
+``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_SERVICE_NAME`` (default ``epp``). Needs the
+``tracing`` extra: ``pip install 'epp[tracing]'``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Mapping
+
+from epp import keys
+from epp.errors import ConfigError
+from epp.scheduling.interfaces import Plugin
+
+
+class Tracing:
+    def __init__(self, provider: Any = None) -> None:
+        try:
+            from opentelemetry import trace
+            from opentelemetry.sdk.resources import Resource
+            from opentelemetry.sdk.trace import TracerProvider
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+            from opentelemetry.trace.propagation.tracecontext import (
+                TraceContextTextMapPropagator,
+            )
+        except ImportError as e:
+            raise ConfigError("--tracing needs OpenTelemetry: pip install 'epp[tracing]' "
+                              f"({e})") from e
+        self._trace = trace
+        self._propagator = TraceContextTextMapPropagator()
+        if provider is None:
+            provider = TracerProvider(resource=Resource.create(
+                {"service.name": os.environ.get("OTEL_SERVICE_NAME", "epp")}))
+            kind = os.environ.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower()
+            if kind == "console":
+                exporter: Any = ConsoleSpanExporter()
+            elif kind == "otlp":
+                from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+                    OTLPSpanExporter,
+                )
+                exporter = OTLPSpanExporter()
+            else:
+                raise ConfigError(f"OTEL_TRACES_EXPORTER={kind!r}: use otlp or console")
+            provider.add_span_processor(BatchSpanProcessor(exporter))
+        self.provider = provider
+        self.tracer = provider.get_tracer("epp")
+
+    def start_request(self, headers: Mapping[str, str]) -> Any:
+        """Start the request span, child of the incoming ``traceparent`` if any."""
+        parent = self._propagator.extract(carrier=dict(headers))
+        return self.tracer.start_span("epp.request", context=parent,
+                                      kind=self._trace.SpanKind.SERVER)
+
+    def child(self, span: Any, name: str, start_ns: int, end_ns: int,
+              attributes: Mapping[str, Any] | None = None) -> None:
+        ctx = self._trace.set_span_in_context(span)
+        s = self.tracer.start_span(name, context=ctx, start_time=start_ns,
+                                   attributes=dict(attributes or {}))
+        s.end(end_time=end_ns)
+
+    def traceparent(self, span: Any) -> str | None:
+        carrier: dict[str, str] = {}
+        self._propagator.inject(carrier, context=self._trace.set_span_in_context(span))
+        return carrier.get(keys.HEADER_TRACEPARENT)
+
+    def shutdown(self) -> None:
+        shutdown = getattr(self.provider, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+
+class PluginSpans:
+    """Collects plugin timings of one scheduling run, then emits them as child spans."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Plugin, int, int]] = []
+
+    def record(self, extension_point: str, plugin: Plugin, seconds: float) -> None:
+        end = time.time_ns()
+        self.calls.append((extension_point, plugin, end - int(seconds * 1e9), end))

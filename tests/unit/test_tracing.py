@@ -1,0 +1,69 @@
+"""Tracing: request span, scheduling and plugin child spans, traceparent propagation."""
+
+from __future__ import annotations
+
+import orjson
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from epp.config.loader import load_and_build
+from epp.datastore.store import Datastore
+from epp.observability.metrics import EppMetrics
+from epp.observability.tracing import Tracing
+from epp.requestcontrol.director import Director
+from epp.scheduling.types import Endpoint
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
+
+
+async def test_request_span_with_children_and_propagation() -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing = Tracing(provider)
+    store = Datastore()
+    store.set_endpoints([Endpoint("p1", "10.0.0.1", 8000), Endpoint("p2", "10.0.0.2", 8000)])
+    holder: dict[str, Director] = {}
+
+    def timer(ep, plugin, seconds):  # type: ignore[no-untyped-def]
+        holder["d"].plugin_timer(ep, plugin, seconds)
+
+    built = load_and_build(timer=timer)
+    d = Director(store, built.scheduler, EppMetrics(store), built.pre_request,
+                 built.response_complete, tracing=tracing)
+    holder["d"] = d
+    body = orjson.dumps({"model": "m", "prompt": "hello"})
+    r = await d.route({":path": "/v1/completions", "traceparent": PARENT}, body, True, None)
+    tp = r.set_headers["traceparent"]
+    assert tp.split("-")[1] == TRACE_ID and tp.split("-")[2] != "00f067aa0ba902b7"
+    d.on_response_headers(r.context, 200, {})
+    d.on_done(r.context, aborted=False)
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    req = spans["epp.request"]
+    assert format(req.context.trace_id, "032x") == TRACE_ID
+    assert format(req.context.span_id, "016x") == tp.split("-")[2]
+    assert req.attributes["http.status_code"] == 200
+    assert spans["epp.scheduling"].parent.span_id == req.context.span_id
+    assert spans["epp.scheduling"].attributes["epp.endpoints"] == r.destination
+    plugin_spans = [n for n in spans if n.startswith(("Scorer ", "Picker ", "ProfilePicker "))]
+    assert {"Scorer queue-scorer", "Scorer prefix-cache-scorer",
+            "Picker max-score-picker"} <= set(plugin_spans)
+
+
+async def test_rejected_request_span_records_status() -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    store = Datastore()
+    store.set_endpoints([])
+    built = load_and_build()
+    d = Director(store, built.scheduler, EppMetrics(store), tracing=Tracing(provider))
+    try:
+        await d.route({":path": "/v1/completions"}, orjson.dumps({"model": "m", "prompt": "x"}),
+                      True, None)
+    except Exception as e:
+        assert getattr(e, "status", None) == 503
+    (span,) = exporter.get_finished_spans()
+    assert span.name == "epp.request" and span.attributes["http.status_code"] == 503

@@ -40,6 +40,7 @@ BUILTIN_TYPES = [
     "inflight-load-producer",
     "kv-cache-utilization-scorer",
     "label-selector-filter",
+    "leader-filter",
     "load-aware-scorer",
     "lora-affinity-scorer",
     "max-score-picker",

@@ -42,6 +42,9 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     src.add_argument("--endpoints-file",
                      help="YAML file of endpoints (and node labels); re-read when it changes")
     _add_kubernetes_flags(p)
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="ext_proc front processes around one scheduling core (default 1: "
+                   "everything in this process; 0: one per CPU core); see docs/architecture.md")
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY,
                    help=f"reject larger request bodies with 413 (default {DEFAULT_MAX_BODY})")
     p.add_argument("--log-level", default="info",
@@ -272,6 +275,13 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"epp: error: --metrics-endpoint-auth: {args.metrics_endpoint_auth} is empty",
                   file=sys.stderr)
             return 1
+    if args.workers < 0:
+        print("epp: error: --workers must be >= 0", file=sys.stderr)
+        return 1
+    if args.workers == 0:
+        import os
+
+        args.workers = os.cpu_count() or 1
     if args.explain_history < 0:
         print("epp: error: --explain-history must be >= 0", file=sys.stderr)
         return 1
@@ -312,6 +322,8 @@ def _serve(args: argparse.Namespace) -> int:
         explain_history=args.explain_history,
         metrics_auth_token=token,
         tracing=args.tracing,
+        workers=args.workers,
+        log_level=args.log_level,
     )
 
     async def main() -> None:

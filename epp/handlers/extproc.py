@@ -127,7 +127,7 @@ class ExtProcStream:
 
     __slots__ = ("_director", "_max_body", "_duplex", "_resp_duplex", "_headers", "_subset",
                  "_chunks", "_size", "_routed", "_routing", "closed", "_done_reported",
-                 "_trailers_pending")
+                 "_trailers_pending", "_resp_len", "_resp_seen", "_aborted")
 
     def __init__(self, director: RequestDirector, max_body_bytes: int) -> None:
         self._director = director
@@ -143,6 +143,9 @@ class ExtProcStream:
         self.closed = False
         self._done_reported = False
         self._trailers_pending = False
+        self._resp_len: int | None = None  # response content-length, when declared
+        self._resp_seen = 0
+        self._aborted = False  # the final say on whether the routed request was aborted
 
     async def handle(self, msg: pb.ProcessingRequest) -> Sequence[pb.ProcessingResponse]:
         """Process one message from Envoy and return the responses to send, in order."""
@@ -263,6 +266,9 @@ class ExtProcStream:
             status = int(headers.get(keys.HEADER_STATUS, "0"))
         except ValueError:
             status = 0
+        cl = headers.get(keys.HEADER_CONTENT_LENGTH)
+        if cl is not None and cl.isdigit():
+            self._resp_len = int(cl)
         extra = self._director.on_response_headers(self._routing.context, status, headers)
         if h.end_of_stream:
             self._report_done(aborted=False)
@@ -274,6 +280,7 @@ class ExtProcStream:
 
     def _on_response_body(self, b: pb.HttpBody) -> Sequence[pb.ProcessingResponse]:
         chunk = b.body
+        self._resp_seen += len(chunk)
         replaced = None
         if self._routing is not None:
             replaced = self._director.on_response_body(self._routing.context, chunk, b.end_of_stream)
@@ -325,25 +332,33 @@ class ExtProcStream:
         if self._done_reported or self._routing is None:
             return
         self._done_reported = True
+        self._aborted = aborted
         try:
-            self._director.on_done(self._routing.context, aborted)
+            verdict = self._director.on_done(self._routing.context, aborted)
+            if verdict is not None:
+                self._aborted = verdict
         except Exception:
             log.exception("director on_done failed")
 
-    def finish(self) -> str:
+    def finish(self, clean: bool = False) -> str:
         """The gRPC stream ended; a routed request without a complete response was aborted.
+
+        ``clean``: Envoy closed the stream normally (not a reset). Envoy sometimes closes
+        it after the last response bytes without the final end-of-stream body message; a
+        response whose declared content-length has fully passed through then counts as
+        completed. (A client that goes away mid-response also ends the stream cleanly, so
+        without a content-length a clean end cannot be told from an abort.)
 
         Returns the stream's outcome: ``rejected`` (an ImmediateResponse was sent),
         ``completed`` (the response ended) or ``aborted`` (the stream ended first).
         """
-        if self.closed:
-            outcome = "rejected"
-        elif self._done_reported:
-            outcome = "completed"
-        else:
-            outcome = "aborted"
+        if (clean and not self.closed and not self._done_reported and self._resp_len is not None
+                and self._resp_seen >= self._resp_len):
+            self._report_done(aborted=False)
         self._report_done(aborted=True)
-        return outcome
+        if self.closed:
+            return "rejected"
+        return "aborted" if self._aborted or not self._done_reported else "completed"
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
@@ -361,13 +376,15 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         context: grpc.aio.ServicerContext[pb.ProcessingRequest, pb.ProcessingResponse],
     ) -> AsyncIterator[pb.ProcessingResponse]:
         stream = ExtProcStream(self._director, self._max_body)
+        clean = False
         try:
             async for msg in request_iterator:
                 for resp in await stream.handle(msg):
                     yield resp
                 if stream.closed:
                     return
+            clean = True
         finally:
-            outcome = stream.finish()
+            outcome = stream.finish(clean)
             if self._on_stream_end is not None:
                 self._on_stream_end(outcome)

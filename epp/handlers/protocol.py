@@ -55,8 +55,13 @@ class RequestDirector(Protocol):
         """A response body chunk passes through; return a replacement chunk, or None."""
         ...
 
-    def on_done(self, context: Any, aborted: bool) -> None:
-        """Called exactly once per routed request: response complete, or stream aborted."""
+    def on_done(self, context: Any, aborted: bool) -> bool | None:
+        """Called exactly once per routed request: response complete, or stream aborted.
+
+        May return whether the request is, after all, to be counted as aborted (Envoy can
+        end a stream cleanly without the final end-of-stream message; the Director may
+        know from the body that the response was complete). None: as given.
+        """
         ...
 
     def on_rejected(self, headers: Mapping[str, str], status: int) -> None:

@@ -1,10 +1,15 @@
-"""The Director: turns one HTTP request into a routing decision and follows its response.
+"""Request control, in two halves that may live in different processes.
 
-``route``: parse the body once → apply the model rewrite (``x-gateway-model-name-rewrite``)
-→ take the endpoint snapshot (narrowed by Envoy's subset hint) → run the scheduler → tell
-PreRequest plugins where the request went → return a :class:`Routing`. The response
-callbacks parse usage, rewrite a rewritten model name back, record metrics and call the
-ResponseComplete plugins exactly once.
+:class:`Director` (the protocol front): parse the body once → apply the model rewrite
+(``x-gateway-model-name-rewrite``) → ask the core for a decision → return a
+:class:`Routing`; on the response it parses usage and rewrites a rewritten model name back,
+then reports completion to the core exactly once.
+
+:class:`SchedulingCore` (the single owner of scheduling state): take the endpoint snapshot
+(narrowed by Envoy's subset hint) → run the scheduler → tell PreRequest plugins where the
+request went → headers for upstream and client; on completion: metrics, ResponseComplete
+plugins, trace span. ResponseHeaders plugins are asked once per request at decision time
+(status 0), so a decision can travel to a front in another process in one message.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 import orjson
 
@@ -25,7 +30,7 @@ from epp.observability.explain import DecisionLog, header_value, new_record
 from epp.observability.metrics import EppMetrics
 from epp.observability.tracing import PluginSpans, Tracing
 from epp.parsing.request import ParsedRequest, api_type_for_path, parse_request_body, rewrite_model
-from epp.parsing.usage import UsageParser
+from epp.parsing.usage import Usage, UsageParser
 from epp.scheduling.interfaces import (
     Plugin,
     PreRequest,
@@ -40,20 +45,39 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class RequestContext:
-    """Per-request state the Director keeps between routing and the end of the response."""
+class Decision:
+    """What the scheduling core decided for one request.
 
+    ``ticket`` identifies the request to the core until :meth:`SchedulingCore.complete`;
+    ``response_headers`` are set on the response to the client (e.g. the session token,
+    the explain JSON).
+    """
+
+    destination: str
+    set_headers: dict[str, str]
+    response_headers: dict[str, str]
+    ticket: Any
+
+
+@dataclass(slots=True)
+class _Ticket:
     request: LLMRequest
     endpoint_key: str
     started: float
-    status: int = 0
-    usage: UsageParser | None = None
-    model_back: tuple[bytes, bytes, bytes, bytes] | None = None  # rewrite-back patterns
-    explain: str | None = None  # decision JSON for the x-epp-explain response header
-    span: Any = None  # the OpenTelemetry request span, when tracing is on
+    span: Any = None
+    explain: str | None = None
 
 
-class Director:
+class SchedulingCore:
+    """The single owner of scheduling state: endpoints snapshot, scheduler and plugins,
+    request metrics, explain records and trace spans.
+
+    ``decide`` runs synchronously over an immutable snapshot; ``complete`` is called exactly
+    once per decided request. In single-process mode the :class:`Director` calls it directly;
+    with several workers the protocol fronts reach it over local IPC
+    (epp/server/workers.py) with the same calls.
+    """
+
     def __init__(
         self,
         store: Datastore,
@@ -81,22 +105,16 @@ class Director:
         # P/D handlers classify each decision ("disaggregated" / "decode-only").
         self._pd_decision = getattr(scheduler.handler, "decision", None)
 
-    async def route(
-        self,
-        headers: Mapping[str, str],
-        body: bytes,
-        has_body: bool,
-        subset: Sequence[str] | None,
-    ) -> Routing:
-        incoming = target = ""
+    def decide(self, request: LLMRequest, subset: Sequence[str] | None) -> Decision:
+        """Schedule ``request``; raises EppError (counted) when it cannot be placed."""
+        headers = request.headers
+        incoming, target = request.incoming_model, request.target_model
         record: dict[str, Any] | None = None
         span = None
         if self.tracing is not None:
             span = self.tracing.start_request(headers)
             self._plugin_spans = PluginSpans()
         try:
-            request, parsed = self._build_request(headers, body, has_body)
-            incoming, target = request.incoming_model, request.target_model
             candidates = self.store.snapshot()
             if subset is not None:
                 allowed = set(subset)
@@ -146,24 +164,30 @@ class Director:
             self.metrics.pd_decisions.labels(self._pd_decision(result)).inc()
         if keys.HEADER_REQUEST_ID not in headers:
             set_headers[keys.HEADER_REQUEST_ID] = request.request_id
-        new_body = None
-        ctx = RequestContext(request, primary[0].key, time.monotonic())
+        ticket = _Ticket(request, primary[0].key, time.monotonic())
         if span is not None and self.tracing is not None:
-            ctx.span = span
+            ticket.span = span
             tp = self.tracing.traceparent(span)
             if tp:
                 set_headers[keys.HEADER_TRACEPARENT] = tp
+        resp_headers: dict[str, str] = {}
+        destination = ",".join(e.key for e in primary)
         if record is not None:
             record["primary_profile"] = result.primary_profile
-            record["destination"] = ",".join(e.key for e in primary)
+            record["destination"] = destination
             if set_headers:
                 record["headers"] = dict(set_headers)
             self._keep(record)
             if headers.get(keys.HEADER_EXPLAIN, "").lower() in ("1", "true", "yes"):
-                ctx.explain = header_value(record)
-        if parsed is not None and target != incoming:
-            new_body = rewrite_model(parsed.data, target)
-            ctx.model_back = _model_patterns(target, incoming)
+                resp_headers[keys.HEADER_EXPLAIN] = header_value(record)
+        for plugin in self.response_headers:
+            try:
+                extra = plugin.response_headers(request, ticket.endpoint_key, 0, {})
+            except Exception:
+                log.exception("ResponseHeaders plugin %s failed", plugin.name)
+                continue
+            if extra:
+                resp_headers.update(extra)
         self.metrics.request_total.labels(incoming, target).inc()
         self.metrics.running_requests.labels(incoming).inc()
         if log.isEnabledFor(logging.DEBUG):
@@ -173,8 +197,39 @@ class Director:
                                        "profiles": {n: (r.endpoints[0].key if r else None)
                                                     for n, r in result.profile_results.items()},
                                        "scheduling_ms": round(1000 * (time.perf_counter() - t0), 3)})
-        return Routing(destination=",".join(e.key for e in primary), set_headers=set_headers,
-                       body=new_body, context=ctx)
+        return Decision(destination, set_headers, resp_headers, ticket)
+
+    def complete(self, ticket: Any, status: int, aborted: bool, usage: Usage | None) -> None:
+        """The decided request's response ended (or its stream aborted). Exactly once."""
+        t: _Ticket = ticket
+        req = t.request
+        m = self.metrics
+        m.running_requests.labels(req.incoming_model).dec()
+        labels = (req.incoming_model, req.target_model)
+        if not aborted and 200 <= status < 300:
+            m.request_duration.labels(*labels).observe(time.monotonic() - t.started)
+            if usage is not None:
+                if usage.prompt_tokens is not None:
+                    m.input_tokens.labels(*labels).observe(usage.prompt_tokens)
+                if usage.completion_tokens is not None:
+                    m.output_tokens.labels(*labels).observe(usage.completion_tokens)
+                if usage.cached_tokens is not None:
+                    m.cached_tokens.labels(*labels).observe(usage.cached_tokens)
+        elif status >= 400:
+            m.request_error_total.labels(*labels, str(status)).inc()
+        for plugin in self.response_complete:
+            try:
+                plugin.response_complete(req, t.endpoint_key, aborted)
+            except Exception:
+                log.exception("ResponseComplete plugin %s failed", plugin.name)
+        if t.span is not None:
+            t.span.set_attribute("http.status_code", status)
+            t.span.set_attribute("epp.aborted", aborted)
+            t.span.end()
+
+    def reject(self, incoming: str, target: str, status: int) -> None:
+        """Count a request rejected before scheduling (bad body, body too large, …)."""
+        self.metrics.request_error_total.labels(incoming, target, str(status)).inc()
 
     def plugin_timer(self, extension_point: str, plugin: Plugin, seconds: float) -> None:
         """Fan-in point for plugin timings: feeds the current request's trace spans."""
@@ -206,36 +261,80 @@ class Director:
         if self.decisions is not None:
             self.decisions.add(record)
 
+
+class CoreClient(Protocol):
+    """How a Director reaches the scheduling core: in process, or over IPC."""
+
+    async def decide(self, request: LLMRequest, subset: Sequence[str] | None) -> Decision: ...
+
+    def complete(self, ticket: Any, status: int, aborted: bool, usage: Usage | None) -> None: ...
+
+    def reject(self, incoming: str, target: str, status: int) -> None: ...
+
+
+class LocalCore:
+    """The in-process CoreClient (single-process mode)."""
+
+    def __init__(self, core: SchedulingCore) -> None:
+        self.core = core
+
+    async def decide(self, request: LLMRequest, subset: Sequence[str] | None) -> Decision:
+        return self.core.decide(request, subset)
+
+    def complete(self, ticket: Any, status: int, aborted: bool, usage: Usage | None) -> None:
+        self.core.complete(ticket, status, aborted, usage)
+
+    def reject(self, incoming: str, target: str, status: int) -> None:
+        self.core.reject(incoming, target, status)
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """Per-request state the Director keeps between routing and the end of the response."""
+
+    request: LLMRequest
+    ticket: Any
+    response_headers: dict[str, str]
+    status: int = 0
+    usage: UsageParser | None = None
+    model_back: tuple[bytes, bytes, bytes, bytes] | None = None  # rewrite-back patterns
+    tail: bytes = b""  # the last bytes of the response body seen
+
+
+class Director:
+    """The protocol-front half: parses, asks the core for a decision, follows the response.
+
+    Implements the ext_proc handler's RequestDirector protocol. ``core`` is a
+    :class:`SchedulingCore` (wrapped in :class:`LocalCore`) or any other CoreClient.
+    """
+
+    def __init__(self, core: SchedulingCore | CoreClient) -> None:
+        self.core: CoreClient = LocalCore(core) if isinstance(core, SchedulingCore) else core
+
+    async def route(
+        self,
+        headers: Mapping[str, str],
+        body: bytes,
+        has_body: bool,
+        subset: Sequence[str] | None,
+    ) -> Routing:
+        try:
+            request, parsed = build_request(headers, body, has_body)
+        except EppError as e:
+            self.core.reject("", "", e.status)
+            raise
+        decision = await self.core.decide(request, subset)
+        ctx = RequestContext(request, decision.ticket, decision.response_headers)
+        new_body = None
+        if parsed is not None and request.target_model != request.incoming_model:
+            new_body = rewrite_model(parsed.data, request.target_model)
+            ctx.model_back = _model_patterns(request.target_model, request.incoming_model)
+        return Routing(destination=decision.destination, set_headers=decision.set_headers,
+                       body=new_body, context=ctx)
+
     def on_rejected(self, headers: Mapping[str, str], status: int) -> None:
         """The wire layer rejected the request itself (e.g. 413 before parsing)."""
-        self.metrics.request_error_total.labels("", "", str(status)).inc()
-
-    def _build_request(self, headers: Mapping[str, str], body: bytes,
-                       has_body: bool) -> tuple[LLMRequest, ParsedRequest | None]:
-        path = headers.get(keys.HEADER_PATH, "/")
-        parsed: ParsedRequest | None = None
-        if has_body:
-            parsed = parse_request_body(path, body)
-            incoming, api, prompt = parsed.model, parsed.api, parsed.prompt
-        else:
-            incoming, api, prompt = "", api_type_for_path(path), ""
-        target = headers.get(keys.HEADER_MODEL_REWRITE) or incoming
-        request = LLMRequest(
-            request_id=headers.get(keys.HEADER_REQUEST_ID) or uuid.uuid4().hex,
-            target_model=target,
-            incoming_model=incoming,
-            api=api,
-            prompt=prompt,
-            headers=headers,
-            stream=parsed.stream if parsed else False,
-            max_tokens=parsed.max_tokens if parsed else None,
-            cache_salt=parsed.cache_salt if parsed else None,
-            user=parsed.user if parsed else None,
-            objective=headers.get(keys.HEADER_OBJECTIVE),
-            fairness_id=headers.get(keys.HEADER_FAIRNESS_ID),
-            session_token=headers.get(keys.HEADER_SESSION_TOKEN),
-        )
-        return request, parsed
+        self.core.reject("", "", status)
 
     # --- response callbacks (RequestDirector protocol) ---
 
@@ -245,56 +344,60 @@ class Director:
         ctx.status = status
         ctype = headers.get(keys.HEADER_CONTENT_TYPE, "")
         ctx.usage = UsageParser(sse=ctype.startswith(keys.CONTENT_TYPE_SSE))
-        out: dict[str, str] = {}
-        if ctx.explain is not None:
-            out[keys.HEADER_EXPLAIN] = ctx.explain
-        for plugin in self.response_headers:
-            try:
-                extra = plugin.response_headers(ctx.request, ctx.endpoint_key, status, headers)
-            except Exception:
-                log.exception("ResponseHeaders plugin %s failed", plugin.name)
-                continue
-            if extra:
-                out.update(extra)
-        return out or None
+        return ctx.response_headers or None
 
     def on_response_body(self, context: Any, chunk: bytes, end_of_stream: bool) -> bytes | None:
         ctx: RequestContext = context
         if ctx.usage is not None:
             ctx.usage.feed(chunk)
+        if chunk:
+            ctx.tail = chunk[-32:]
         if ctx.model_back is not None and chunk:
             a, b, c, d = ctx.model_back
             if a in chunk or c in chunk:
                 return chunk.replace(a, b).replace(c, d)
         return None
 
-    def on_done(self, context: Any, aborted: bool) -> None:
+    def on_done(self, context: Any, aborted: bool) -> bool:
         ctx: RequestContext = context
-        req = ctx.request
-        m = self.metrics
-        m.running_requests.labels(req.incoming_model).dec()
-        labels = (req.incoming_model, req.target_model)
-        if not aborted and 200 <= ctx.status < 300:
-            m.request_duration.labels(*labels).observe(time.monotonic() - ctx.started)
-            usage = ctx.usage.finish() if ctx.usage is not None else None
-            if usage is not None:
-                if usage.prompt_tokens is not None:
-                    m.input_tokens.labels(*labels).observe(usage.prompt_tokens)
-                if usage.completion_tokens is not None:
-                    m.output_tokens.labels(*labels).observe(usage.completion_tokens)
-                if usage.cached_tokens is not None:
-                    m.cached_tokens.labels(*labels).observe(usage.cached_tokens)
-        elif ctx.status >= 400:
-            m.request_error_total.labels(*labels, str(ctx.status)).inc()
-        for plugin in self.response_complete:
-            try:
-                plugin.response_complete(req, ctx.endpoint_key, aborted)
-            except Exception:
-                log.exception("ResponseComplete plugin %s failed", plugin.name)
-        if ctx.span is not None:
-            ctx.span.set_attribute("http.status_code", ctx.status)
-            ctx.span.set_attribute("epp.aborted", aborted)
-            ctx.span.end()
+        usage = None
+        if 200 <= ctx.status < 300 and ctx.usage is not None:
+            usage = ctx.usage.finish()
+            if aborted and (usage is not None or ctx.tail.rstrip().endswith(b"[DONE]")):
+                # Envoy closed the stream without the final end-of-stream message, but the
+                # body is complete (its usage, or the SSE terminator, went through).
+                aborted = False
+        self.core.complete(ctx.ticket, ctx.status, aborted, None if aborted else usage)
+        return aborted
+
+
+def build_request(headers: Mapping[str, str], body: bytes,
+                  has_body: bool) -> tuple[LLMRequest, ParsedRequest | None]:
+    """Parse the body (once) and build the compact request the scheduler sees."""
+    path = headers.get(keys.HEADER_PATH, "/")
+    parsed: ParsedRequest | None = None
+    if has_body:
+        parsed = parse_request_body(path, body)
+        incoming, api, prompt = parsed.model, parsed.api, parsed.prompt
+    else:
+        incoming, api, prompt = "", api_type_for_path(path), ""
+    target = headers.get(keys.HEADER_MODEL_REWRITE) or incoming
+    request = LLMRequest(
+        request_id=headers.get(keys.HEADER_REQUEST_ID) or uuid.uuid4().hex,
+        target_model=target,
+        incoming_model=incoming,
+        api=api,
+        prompt=prompt,
+        headers=headers,
+        stream=parsed.stream if parsed else False,
+        max_tokens=parsed.max_tokens if parsed else None,
+        cache_salt=parsed.cache_salt if parsed else None,
+        user=parsed.user if parsed else None,
+        objective=headers.get(keys.HEADER_OBJECTIVE),
+        fairness_id=headers.get(keys.HEADER_FAIRNESS_ID),
+        session_token=headers.get(keys.HEADER_SESSION_TOKEN),
+    )
+    return request, parsed
 
 
 def _model_patterns(target: str, incoming: str) -> tuple[bytes, bytes, bytes, bytes]:

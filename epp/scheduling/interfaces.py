@@ -108,8 +108,9 @@ class ResponseHeaders(Plugin, Protocol):
                          headers: Mapping[str, str]) -> Mapping[str, str] | None:
         """Headers to set on the response to the client (e.g. ``x-session-token``).
 
-        Called once per routed request when the upstream response headers arrive, with the
-        request, the primary endpoint's key, the HTTP status and the response headers.
+        Called once per routed request, at decision time (``status`` 0, ``headers`` empty),
+        so the decision, headers included, can travel to a protocol front in one message;
+        the headers are set when the upstream response headers arrive.
         """
         ...
 

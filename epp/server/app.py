@@ -45,7 +45,9 @@ from epp.observability.explain import DecisionLog
 from epp.observability.metrics import EppMetrics
 from epp.observability.tracing import Tracing
 from epp.scheduling.interfaces import Plugin
-from epp.requestcontrol.director import Director
+from epp.requestcontrol.director import Director, SchedulingCore
+from epp.server.workers import CoreServer, FrontPool, check_port_free, front_argv
+from epp.stack.procs import wait_port
 from epp.server.leader import LeaderElectionOptions, LeaderElector, default_identity, lease_name
 from epp.server.tls import load_key_pair, self_signed_key_pair
 
@@ -96,6 +98,9 @@ class ServeOptions:
     explain_history: int = 0
     metrics_auth_token: str | None = None  # bearer token required on /metrics and /debug/*
     tracing: bool = False
+    # Protocol-front processes around this scheduling core (1 = all in this process).
+    workers: int = 1
+    log_level: str = "info"
 
 
 class EppServer:
@@ -108,6 +113,9 @@ class EppServer:
         self.tracing: Tracing | None = None
         self._stream_outcomes: dict[str, Any] = {}
         self.director: Director | None = None
+        self.core: SchedulingCore | None = None
+        self._core_server: CoreServer | None = None
+        self._fronts: FrontPool | None = None
         self._static_file: StaticFileSource | None = None
         self._grpc: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
@@ -143,11 +151,12 @@ class EppServer:
             self.store.on_removed(lambda ep, p=plugin: p.endpoint_removed(ep.key))
         self.decisions = DecisionLog(o.explain_history) if o.explain_history > 0 else None
         self.tracing = Tracing() if o.tracing else None
-        self.director = Director(self.store, self.built.scheduler, self.metrics,
-                                 self.built.pre_request, self.built.response_complete,
-                                 self.built.request_headers, self.built.response_headers,
-                                 explain_header=o.enable_explain_header,
-                                 decisions=self.decisions, tracing=self.tracing)
+        self.core = SchedulingCore(self.store, self.built.scheduler, self.metrics,
+                                   self.built.pre_request, self.built.response_complete,
+                                   self.built.request_headers, self.built.response_headers,
+                                   explain_header=o.enable_explain_header,
+                                   decisions=self.decisions, tracing=self.tracing)
+        self.director = Director(self.core)
         scraper: MetricsScraper | None = None
         if o.scrape_metrics:
             scraper = MetricsScraper(self.store, o.scrape,
@@ -157,7 +166,10 @@ class EppServer:
         try:
             await self._start_metrics()
             await self._start_health()
-            await self._start_ext_proc()
+            if o.workers > 1:
+                await self._start_fronts(o.workers)
+            else:
+                await self._start_ext_proc()
         except BaseException:
             await self.stop(0)
             raise
@@ -224,6 +236,38 @@ class EppServer:
         await server.start()
         self._grpc = server
 
+    async def _start_fronts(self, n: int) -> None:
+        """``--workers N``: N front processes serve ext_proc; this process is the core."""
+        assert self.core is not None
+        o = self.options
+        try:
+            check_port_free(o.bind_address, o.grpc_port)
+        except OSError as e:
+            raise StartupError(f"cannot listen for ext_proc gRPC on {o.bind_address}:"
+                               f"{o.grpc_port}: {e.strerror or e} (port in use? pick another "
+                               "with --grpc-port)") from e
+        self._core_server = CoreServer(self.core, self._stream_ended)
+        await self._core_server.start()
+        self._fronts = FrontPool(n, front_argv(
+            core_socket=self._core_server.path, grpc_port=o.grpc_port,
+            bind_address=o.bind_address, max_body=o.max_request_body_bytes,
+            secure_serving=o.secure_serving, cert_path=o.cert_path, grace=5.0,
+            log_level=o.log_level))
+        await self._fronts.start()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30
+        while self._core_server.fronts < n:
+            if self._fronts.exited():
+                raise StartupError(f"an ext_proc worker process exited with status "
+                                   f"{self._fronts.exited()[0]} at startup (see its log above)")
+            if loop.time() > deadline:
+                raise StartupError(f"only {self._core_server.fronts} of {n} ext_proc workers "
+                                   "connected within 30s")
+            await asyncio.sleep(0.05)
+        # A front connects before its gRPC server starts; wait until the port answers.
+        await wait_port("127.0.0.1" if o.bind_address in ("0.0.0.0", "::") else o.bind_address,
+                        o.grpc_port, timeout=30)
+
     async def _start_health(self) -> None:
         server = self._grpc_server(4 << 20)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -233,8 +277,8 @@ class EppServer:
 
     def _plugin_timer(self, extension_point: str, plugin: Plugin, seconds: float) -> None:
         self.metrics.observe_plugin(extension_point, plugin, seconds)
-        if self.tracing is not None and self.director is not None:
-            self.director.plugin_timer(extension_point, plugin, seconds)
+        if self.tracing is not None and self.core is not None:
+            self.core.plugin_timer(extension_point, plugin, seconds)
 
     def _stream_ended(self, outcome: str) -> None:
         child = self._stream_outcomes.get(outcome)
@@ -362,6 +406,12 @@ class EppServer:
         if self.scraper is not None:
             await self.scraper.stop()
             self.scraper = None
+        if self._fronts is not None:
+            await self._fronts.stop(grace)
+            self._fronts = None
+        if self._core_server is not None:
+            await self._core_server.stop()
+            self._core_server = None
         for server in (self._grpc, self._health_server):
             if server is not None:
                 await server.stop(grace)

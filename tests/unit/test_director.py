@@ -9,7 +9,7 @@ from epp.config.loader import load_and_build
 from epp.datastore.store import Datastore
 from epp.errors import BadRequest, ServiceUnavailable
 from epp.observability.metrics import EppMetrics
-from epp.requestcontrol.director import Director
+from epp.requestcontrol.director import Director, SchedulingCore
 from epp.scheduling.types import Endpoint, Metrics
 
 
@@ -17,8 +17,8 @@ def make_director(n: int = 3) -> tuple[Director, Datastore]:
     store = Datastore()
     store.set_endpoints(Endpoint(f"p{i}", f"10.0.0.{i}", 8000) for i in range(1, n + 1))
     built = load_and_build()
-    return Director(store, built.scheduler, EppMetrics(store), built.pre_request,
-                    built.response_complete), store
+    return Director(SchedulingCore(store, built.scheduler, EppMetrics(store), built.pre_request,
+                                   built.response_complete)), store
 
 
 H = {":method": "POST", ":path": "/v1/chat/completions", "x-request-id": "r1"}
@@ -26,7 +26,7 @@ CHAT = orjson.dumps({"model": "llama", "messages": [{"role": "user", "content": 
 
 
 def sample(d: Director, name: str) -> float:
-    v = d.metrics.registry.get_sample_value(name, {"model_name": "llama", "target_model_name": "llama"})
+    v = d.core.core.metrics.registry.get_sample_value(name, {"model_name": "llama", "target_model_name": "llama"})
     return v or 0.0
 
 
@@ -57,7 +57,7 @@ async def test_empty_subset_and_empty_pool_are_503() -> None:
     store.set_endpoints([])
     with pytest.raises(ServiceUnavailable, match="no ready endpoints"):
         await d.route(H, CHAT, True, None)
-    v = d.metrics.registry.get_sample_value(
+    v = d.core.core.metrics.registry.get_sample_value(
         "inference_objective_request_error_total",
         {"model_name": "llama", "target_model_name": "llama", "error_code": "503"})
     assert v == 2
@@ -88,7 +88,7 @@ async def test_model_rewrite_and_rewrite_back() -> None:
 async def test_usage_recorded_and_running_requests_balanced() -> None:
     d, _ = make_director()
     r = await d.route(H, CHAT, True, None)
-    running = d.metrics.registry.get_sample_value("inference_objective_running_requests",
+    running = d.core.core.metrics.registry.get_sample_value("inference_objective_running_requests",
                                                   {"model_name": "llama"})
     assert running == 1
     d.on_response_headers(r.context, 200, {"content-type": "application/json"})
@@ -96,7 +96,7 @@ async def test_usage_recorded_and_running_requests_balanced() -> None:
                                    "prompt_tokens_details": {"cached_tokens": 4}}})
     assert d.on_response_body(r.context, body, True) is None
     d.on_done(r.context, aborted=False)
-    assert d.metrics.registry.get_sample_value("inference_objective_running_requests",
+    assert d.core.core.metrics.registry.get_sample_value("inference_objective_running_requests",
                                                {"model_name": "llama"}) == 0
     assert sample(d, "inference_objective_input_tokens_sum") == 7
     assert sample(d, "inference_objective_output_tokens_sum") == 3
@@ -111,8 +111,9 @@ async def test_session_affinity_token_round_trip() -> None:
     store.set_endpoints(Endpoint(f"p{i}", f"10.0.0.{i}", 8000, namespace="ns")
                         for i in range(1, 5))
     built = load_and_build(str(Path(__file__).resolve().parents[2] / "config" / "session.yaml"))
-    d = Director(store, built.scheduler, EppMetrics(store), built.pre_request,
-                 built.response_complete, built.request_headers, built.response_headers)
+    d = Director(SchedulingCore(store, built.scheduler, EppMetrics(store), built.pre_request,
+                                built.response_complete, built.request_headers,
+                                built.response_headers))
     r = await d.route(H, CHAT, True, None)
     extra = d.on_response_headers(r.context, 200, {"content-type": "application/json"})
     assert extra is not None and "x-session-token" in extra

@@ -256,3 +256,29 @@ async def test_callback_failure_after_routing_passes_response_through() -> None:
     assert out[0].response_body.response.body_mutation.streamed_response.body == b"abc"
     assert not s.closed
     assert [c for c in d.calls if c[0] == "done"] == [("done", "ctx", False)]
+
+
+async def test_clean_end_after_full_declared_body_counts_as_completed() -> None:
+    d = FakeDirector()
+    s = ExtProcStream(d, 1 << 20)
+    await s.handle(headers_msg())
+    await s.handle(body_msg(BODY, True))
+    await s.handle(pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=HeaderMap(headers=[
+        HeaderValue(key=":status", raw_value=b"200"),
+        HeaderValue(key="content-length", raw_value=b"5")]))))
+    await s.handle(pb.ProcessingRequest(response_body=pb.HttpBody(body=b"hello")))
+    assert s.finish(clean=True) == "completed"
+    assert [c for c in d.calls if c[0] == "done"] == [("done", "ctx", False)]
+
+
+async def test_clean_end_with_partial_body_is_aborted() -> None:
+    d = FakeDirector()
+    s = ExtProcStream(d, 1 << 20)
+    await s.handle(headers_msg())
+    await s.handle(body_msg(BODY, True))
+    await s.handle(pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=HeaderMap(headers=[
+        HeaderValue(key=":status", raw_value=b"200"),
+        HeaderValue(key="content-length", raw_value=b"50")]))))
+    await s.handle(pb.ProcessingRequest(response_body=pb.HttpBody(body=b"hello")))
+    assert s.finish(clean=True) == "aborted"
+    assert [c for c in d.calls if c[0] == "done"] == [("done", "ctx", True)]

@@ -11,7 +11,7 @@ from epp.config.loader import load_and_build
 from epp.datastore.store import Datastore
 from epp.observability.metrics import EppMetrics
 from epp.observability.tracing import Tracing
-from epp.requestcontrol.director import Director
+from epp.requestcontrol.director import Director, SchedulingCore
 from epp.scheduling.types import Endpoint
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -25,15 +25,16 @@ async def test_request_span_with_children_and_propagation() -> None:
     tracing = Tracing(provider)
     store = Datastore()
     store.set_endpoints([Endpoint("p1", "10.0.0.1", 8000), Endpoint("p2", "10.0.0.2", 8000)])
-    holder: dict[str, Director] = {}
+    holder: dict[str, SchedulingCore] = {}
 
     def timer(ep, plugin, seconds):  # type: ignore[no-untyped-def]
         holder["d"].plugin_timer(ep, plugin, seconds)
 
     built = load_and_build(timer=timer)
-    d = Director(store, built.scheduler, EppMetrics(store), built.pre_request,
-                 built.response_complete, tracing=tracing)
-    holder["d"] = d
+    core = SchedulingCore(store, built.scheduler, EppMetrics(store), built.pre_request,
+                          built.response_complete, tracing=tracing)
+    d = Director(core)
+    holder["d"] = core  # type: ignore[assignment]
     body = orjson.dumps({"model": "m", "prompt": "hello"})
     r = await d.route({":path": "/v1/completions", "traceparent": PARENT}, body, True, None)
     tp = r.set_headers["traceparent"]
@@ -59,7 +60,8 @@ async def test_rejected_request_span_records_status() -> None:
     store = Datastore()
     store.set_endpoints([])
     built = load_and_build()
-    d = Director(store, built.scheduler, EppMetrics(store), tracing=Tracing(provider))
+    d = Director(SchedulingCore(store, built.scheduler, EppMetrics(store),
+                                tracing=Tracing(provider)))
     try:
         await d.route({":path": "/v1/completions"}, orjson.dumps({"model": "m", "prompt": "x"}),
                       True, None)

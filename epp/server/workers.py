@@ -1,0 +1,334 @@
+"""Several protocol-front processes around one scheduling core (``epp serve --workers N``).
+
+Python's gRPC costs far more per ext_proc message than picking an endpoint does, so the
+ext_proc work is spread over front processes while one core keeps the single consistent
+scheduling state (prefix index, in-flight counts, metrics):
+
+- the **core** is the ``epp serve`` process: datastore, discovery, metrics scraping,
+  scheduler and plugins, Prometheus metrics and gRPC health, as in single-process mode.
+  It serves a Unix socket for its fronts instead of the ext_proc port.
+- each **front** (``python -m epp.server.workers``) serves ext_proc on the shared port
+  (SO_REUSEPORT: the kernel spreads Envoy's connections), parses bodies, and asks the
+  core for each decision over the socket; responses (usage parsing, model rewrite-back)
+  are handled in the front, which reports completion to the core.
+
+Wire format on the socket: frames of a 4-byte big-endian length and an orjson array.
+Front → core: ``["R", id, request, subset]`` (decide), ``["C", ticket, status, aborted,
+usage]`` (complete), ``["J", model, target, status]`` (rejected before scheduling),
+``["O", outcome]`` (stream outcome). Core → front: ``["D", id, destination, set_headers,
+response_headers, ticket]`` or ``["E", id, status, message, error_type]``. Frames queue in
+the socket buffers, so a busy core reads and answers them in batches. When a front's
+connection drops, the core completes that front's open requests as aborted; when the core
+goes away, fronts exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import struct
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import grpc
+import orjson
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from epp import keys
+from epp.errors import EppError
+from epp.handlers.extproc import ExtProcServicer
+from epp.parsing.usage import Usage
+from epp.requestcontrol.director import Decision, Director, SchedulingCore
+from epp.scheduling.types import ApiType, LLMRequest
+
+log = logging.getLogger(__name__)
+
+_LEN = struct.Struct(">I")
+# Fronts limit concurrent streams per HTTP/2 connection so Envoy opens several
+# connections, which SO_REUSEPORT then spreads over the fronts.
+FRONT_MAX_STREAMS = 16
+
+
+def _frame(msg: Sequence[Any]) -> bytes:
+    body = orjson.dumps(msg)
+    return _LEN.pack(len(body)) + body
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> Any:
+    n = _LEN.unpack(await reader.readexactly(4))[0]
+    return orjson.loads(await reader.readexactly(n))
+
+
+def _request_to_wire(r: LLMRequest) -> list[Any]:
+    return [r.request_id, r.target_model, r.incoming_model, r.api.value, r.prompt,
+            dict(r.headers), r.stream, r.max_tokens, r.cache_salt, r.user, r.objective,
+            r.fairness_id, r.session_token]
+
+
+def _request_from_wire(w: list[Any]) -> LLMRequest:
+    return LLMRequest(request_id=w[0], target_model=w[1], incoming_model=w[2],
+                      api=ApiType(w[3]), prompt=w[4], headers=w[5], stream=w[6],
+                      max_tokens=w[7], cache_salt=w[8], user=w[9], objective=w[10],
+                      fairness_id=w[11], session_token=w[12])
+
+
+# ----------------------------------------------------------------------------- core side
+
+
+class CoreServer:
+    """Serves the scheduling core to front processes over a Unix socket."""
+
+    def __init__(self, core: SchedulingCore, on_outcome: Callable[[str], None]) -> None:
+        self.core = core
+        self.on_outcome = on_outcome
+        self._dir = tempfile.mkdtemp(prefix="epp-core-")
+        self.path = os.path.join(self._dir, "core.sock")
+        self._server: asyncio.base_events.Server | None = None
+        self._conns: set[asyncio.Task[None]] = set()
+        self.connected = asyncio.Event()
+        self.fronts = 0
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_unix_server(self._serve, path=self.path)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._conns.add(task)
+        self.fronts += 1
+        self.connected.set()
+        tickets: dict[int, Any] = {}
+        next_ticket = 0
+        core = self.core
+        try:
+            while True:
+                msg = await _read_frame(reader)
+                kind = msg[0]
+                if kind == "R":
+                    try:
+                        d = core.decide(_request_from_wire(msg[2]), msg[3])
+                    except EppError as e:
+                        writer.write(_frame(["E", msg[1], e.status, e.message, e.error_type]))
+                    else:
+                        next_ticket += 1
+                        tickets[next_ticket] = d.ticket
+                        writer.write(_frame(["D", msg[1], d.destination, d.set_headers,
+                                             d.response_headers, next_ticket]))
+                    if writer.transport.get_write_buffer_size() > (1 << 20):
+                        await writer.drain()
+                elif kind == "C":
+                    t = tickets.pop(msg[1], None)
+                    if t is not None:
+                        u = msg[4]
+                        core.complete(t, msg[2], msg[3], None if u is None else Usage(*u))
+                elif kind == "J":
+                    core.reject(msg[1], msg[2], msg[3])
+                elif kind == "O":
+                    self.on_outcome(msg[1])
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self.fronts -= 1
+            for t in tickets.values():  # the front went away: its requests are aborted
+                core.complete(t, 0, True, None)
+            writer.close()
+            self._conns.discard(task)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        for t in list(self._conns):
+            t.cancel()
+        for t in list(self._conns):
+            try:
+                await t
+            except asyncio.CancelledError:
+                pass
+        try:
+            os.unlink(self.path)
+            os.rmdir(self._dir)
+        except OSError:
+            pass
+
+
+def check_port_free(address: str, port: int) -> None:
+    """Raise OSError if ``address:port`` cannot be bound (fronts bind it with SO_REUSEPORT,
+    which would otherwise not notice a foreign listener that also uses it)."""
+    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as s:
+        s.bind((address, port))
+
+
+class FrontPool:
+    """Spawns and supervises the front processes."""
+
+    def __init__(self, n: int, argv: list[str]) -> None:
+        self.n = n
+        self.argv = argv
+        self.procs: list[asyncio.subprocess.Process] = []
+
+    async def start(self) -> None:
+        for _ in range(self.n):
+            self.procs.append(await asyncio.create_subprocess_exec(*self.argv))
+
+    def exited(self) -> list[int]:
+        return [p.returncode for p in self.procs if p.returncode is not None]
+
+    async def stop(self, grace: float) -> None:
+        for p in self.procs:
+            if p.returncode is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                await asyncio.wait_for(p.wait(), timeout=grace + 2)
+            except asyncio.TimeoutError:
+                p.kill()
+                await p.wait()
+
+
+# ---------------------------------------------------------------------------- front side
+
+
+class RemoteCore:
+    """A CoreClient that reaches the core over its Unix socket."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._pending: dict[int, asyncio.Future[Decision]] = {}
+        self._next = 0
+        self.closed = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._read_loop())
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                msg = await _read_frame(self._reader)
+                fut = self._pending.pop(msg[1], None)
+                if fut is None or fut.done():
+                    continue
+                if msg[0] == "D":
+                    fut.set_result(Decision(msg[2], msg[3], msg[4], msg[5]))
+                else:
+                    fut.set_exception(EppError(msg[3], status=msg[2], error_type=msg[4]))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            for fut in self._pending.values():
+                if not fut.done():
+                    fut.set_exception(EppError("the scheduling core is gone", status=503,
+                                               error_type="service_unavailable"))
+            self._pending.clear()
+            self.closed.set()
+
+    async def decide(self, request: LLMRequest, subset: Sequence[str] | None) -> Decision:
+        if self.closed.is_set():
+            raise EppError("the scheduling core is gone", status=503,
+                           error_type="service_unavailable")
+        self._next += 1
+        fut: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
+        self._pending[self._next] = fut
+        self._writer.write(_frame(["R", self._next, _request_to_wire(request),
+                                   None if subset is None else list(subset)]))
+        return await fut
+
+    def complete(self, ticket: Any, status: int, aborted: bool, usage: Usage | None) -> None:
+        u = None if usage is None else [usage.prompt_tokens, usage.completion_tokens,
+                                        usage.cached_tokens]
+        self._send(["C", ticket, status, aborted, u])
+
+    def reject(self, incoming: str, target: str, status: int) -> None:
+        self._send(["J", incoming, target, status])
+
+    def outcome(self, outcome: str) -> None:
+        self._send(["O", outcome])
+
+    def _send(self, msg: list[Any]) -> None:
+        if not self.closed.is_set():
+            self._writer.write(_frame(msg))
+
+
+async def run_front(args: argparse.Namespace) -> int:
+    reader, writer = await asyncio.open_unix_connection(args.core_socket)
+    core = RemoteCore(reader, writer)
+    director = Director(core)
+    max_msg = args.max_request_body_bytes + (1 << 20)
+    server = grpc.aio.server(options=[
+        ("grpc.so_reuseport", 1),
+        ("grpc.max_receive_message_length", max_msg),
+        ("grpc.max_send_message_length", max_msg),
+        ("grpc.max_concurrent_streams", FRONT_MAX_STREAMS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+        ("grpc.http2.max_ping_strikes", 0),
+    ])
+    pb_grpc.add_ExternalProcessorServicer_to_server(
+        ExtProcServicer(director, args.max_request_body_bytes, on_stream_end=core.outcome),
+        server)
+    hs = health.aio.HealthServicer()
+    for svc in (keys.HEALTH_LIVENESS, keys.HEALTH_READINESS, keys.HEALTH_EXT_PROC, ""):
+        await hs.set(svc, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    addr = f"{args.bind_address}:{args.grpc_port}"
+    if args.secure_serving:
+        from epp.server.tls import load_key_pair, self_signed_key_pair
+
+        key, chain = load_key_pair(args.cert_path) if args.cert_path else self_signed_key_pair()
+        server.add_secure_port(addr, grpc.ssl_server_credentials([(key, chain)]))
+    else:
+        server.add_insecure_port(addr)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    closed = asyncio.ensure_future(core.closed.wait())
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({closed, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    await server.stop(args.grace)
+    writer.close()
+    return 0
+
+
+def front_argv(*, core_socket: str, grpc_port: int, bind_address: str, max_body: int,
+               secure_serving: bool, cert_path: str | None, grace: float,
+               log_level: str) -> list[str]:
+    argv = [sys.executable, "-m", "epp.server.workers", "--core-socket", core_socket,
+            "--grpc-port", str(grpc_port), "--bind-address", bind_address,
+            "--max-request-body-bytes", str(max_body), "--grace", str(grace),
+            "--log-level", log_level]
+    if secure_serving:
+        argv.append("--secure-serving")
+    if cert_path:
+        argv += ["--cert-path", cert_path]
+    return argv
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m epp.server.workers",
+                                description="An epp protocol front (started by epp serve "
+                                "--workers N; not meant to be run by hand).")
+    p.add_argument("--core-socket", required=True)
+    p.add_argument("--grpc-port", type=int, required=True)
+    p.add_argument("--bind-address", default="0.0.0.0")
+    p.add_argument("--max-request-body-bytes", type=int, required=True)
+    p.add_argument("--secure-serving", action="store_true")
+    p.add_argument("--cert-path")
+    p.add_argument("--grace", type=float, default=5.0)
+    p.add_argument("--log-level", default="info")
+    args = p.parse_args(argv)
+    from epp.observability.logging import setup_logging
+
+    setup_logging(args.log_level)
+    return asyncio.run(run_front(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

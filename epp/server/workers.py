@@ -8,7 +8,10 @@ scheduling state (prefix index, in-flight counts, metrics):
   scheduler and plugins, Prometheus metrics and gRPC health, as in single-process mode.
   It serves a Unix socket for its fronts instead of the ext_proc port.
 - each **front** (``python -m epp.server.workers``) serves ext_proc on the shared port
-  (SO_REUSEPORT: the kernel spreads Envoy's connections), parses bodies, and asks the
+  (SO_REUSEPORT: the kernel spreads Envoy's connections over the fronts, so Envoy should
+  open several — e.g. ``max_concurrent_streams`` on its EPP cluster's HTTP/2 options, as
+  the shipped template sets; a server-side stream limit would make Envoy fail requests
+  with REFUSED_STREAM instead), parses bodies, and asks the
   core for each decision over the socket; responses (usage parsing, model rewrite-back)
   are handled in the front, which reports completion to the core.
 
@@ -51,9 +54,6 @@ from epp.scheduling.types import ApiType, LLMRequest
 log = logging.getLogger(__name__)
 
 _LEN = struct.Struct(">I")
-# Fronts limit concurrent streams per HTTP/2 connection so Envoy opens several
-# connections, which SO_REUSEPORT then spreads over the fronts.
-FRONT_MAX_STREAMS = 16
 
 
 def _frame(msg: Sequence[Any]) -> bytes:
@@ -264,7 +264,6 @@ async def run_front(args: argparse.Namespace) -> int:
         ("grpc.so_reuseport", 1),
         ("grpc.max_receive_message_length", max_msg),
         ("grpc.max_send_message_length", max_msg),
-        ("grpc.max_concurrent_streams", FRONT_MAX_STREAMS),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 1000),
         ("grpc.http2.max_ping_strikes", 0),

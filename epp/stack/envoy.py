@@ -178,7 +178,10 @@ def render_envoy_config(
         route_timeout=_duration(route_timeout_s),
         max_body_bytes=max_body_bytes,
         processing_mode=processing_mode,
-        http2_options="{" + keepalive + "}",
+        # At most 32 streams per connection to the EPP: under load Envoy opens more
+        # connections, which the kernel spreads over `epp serve --workers N` processes.
+        http2_options="{max_concurrent_streams: 32" + (", " + keepalive if keepalive else "")
+        + "}",
         routing_cluster=routing_cluster.replace("${max_body_bytes}", str(max_body_bytes)),
         retry_policy=retry_policy,
     )

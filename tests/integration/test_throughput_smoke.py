@@ -1,0 +1,29 @@
+"""The throughput benchmark's smoke mode: every case runs and serves without errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk not installed (apt-get install wrk)")
+def test_throughput_bench_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "rows.json"
+    r = subprocess.run([sys.executable, "-m", "bench.throughput", "--smoke", "--workers", "1",
+                        "--workers", "2", "--json", str(out)],
+                       capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(out.read_text())
+    assert [row["case"] for row in rows] == [
+        "Envoy alone", "Envoy + EPP (1 worker)", "Envoy + EPP (2 workers)"]
+    for row in rows:
+        assert row["rps"] > 0 and row["errors"] == 0, row
+    assert all(row["epp_cpu_us"] > 0 for row in rows[1:])
+    assert "| ratio |" in r.stdout

@@ -81,7 +81,8 @@ def test_rendered_config_passes_envoy_validate(body_mode: str, tmp_path: Path) -
     http2 = clusters["epp"]["typed_extension_protocol_options"][
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
     ]["explicit_http_config"]["http2_protocol_options"]
-    assert http2 == {"connection_keepalive": {"interval": "5s", "timeout": "5s"}}
+    assert http2 == {"max_concurrent_streams": 32,
+                     "connection_keepalive": {"interval": "5s", "timeout": "5s"}}
 
     path = tmp_path / "envoy.yaml"
     path.write_text(config)

@@ -132,3 +132,6 @@ ANNOTATION_ACTIVE_PORTS: Final = "inference.networking.k8s.io/active-ports"
 # Lease name: epp-<namespace>-<pool>.<suffix>, as GIE's EPP names it.
 K8S_LEASE_SUFFIX: Final = "gateway-api-inference-extension.sigs.k8s.io"
 ENV_NAMESPACE: Final = "NAMESPACE"  # pool namespace when --pool-namespace is not given
+
+# --- Per-request plugin state shared with the core (LLMRequest.plugin_state) ---
+PLUGIN_STATE_PREFIX_HIT_RATIO: Final = "prefix-cache.hit-ratio"

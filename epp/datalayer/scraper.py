@@ -81,8 +81,25 @@ _ACCEPT = "text/plain;version=0.0.4;q=1,*/*;q=0.1"
 
 @dataclass(frozen=True)
 class ScrapeOptions:
-    """Scraper settings (the ``--model-server-metrics-*`` / ``--refresh-metrics-interval``
-    / ``--metrics-staleness-threshold`` flags). All durations in seconds."""
+    """Scraper settings (the ``--model-server-metrics-*``, ``--refresh-metrics-interval``,
+    ``--metrics-*`` flags). All durations in seconds.
+
+    - ``interval_s``: poll period per endpoint (start to start).
+    - ``timeout_s``: per-poll timeout (connect, headers and body).
+    - ``staleness_threshold_s``: no successful scrape for this long → ``stale=True``.
+    - ``scheme`` / ``path`` / ``port``: the URL; ``port`` None = the endpoint's port.
+    - ``insecure_skip_verify``: with https, do not verify certificates (GIE's default).
+    - ``max_concurrency``: polls in flight at once, all endpoints together.
+    - ``commit_interval_s``: datastore writes are applied in batches this often
+      (0 = at once, one snapshot invalidation per write).
+    - ``freshness_resolution_s``: unchanged values are re-written (to refresh
+      ``updated_at``) at most this often; None = ``min(2 × interval, threshold / 4)``.
+    - ``max_body_bytes``: a larger /metrics body is an error.
+    - ``max_loop_lag_s``: load-shedding target (p90 event-loop lag); None = off.
+    - ``max_interval_s``: the longest interval load shedding and failure backoff
+      stretch to; None = ``threshold / 4``.
+    - ``lag_probe_period_s``: period of the loop-lag probe.
+    """
 
     interval_s: float = 0.05
     timeout_s: float = 1.0
@@ -254,6 +271,7 @@ class MetricsScraper:
             connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, ssl=self._ssl or False,
                                            keepalive_timeout=30.0),
             headers={"Accept": _ACCEPT, "Accept-Encoding": "identity"},
+            timeout=aiohttp.ClientTimeout(total=o.timeout_s),
             auto_decompress=True,
             skip_auto_headers=("User-Agent",),
         )
@@ -377,15 +395,14 @@ class MetricsScraper:
         assert self._session is not None
         o = self.options
         try:
-            async with asyncio.timeout(o.timeout_s):
-                async with self._session.get(st.url, allow_redirects=False) as resp:
-                    if resp.status != 200:
-                        raise _ScrapeFailure(f"HTTP {resp.status} from {st.url}")
-                    length = resp.content_length
-                    if length is not None and length > o.max_body_bytes:
-                        raise _ScrapeFailure(f"body of {length} bytes exceeds "
-                                             f"{o.max_body_bytes}")
-                    body = await resp.read()
+            # The session's ClientTimeout(total=timeout_s) bounds connect + headers + body.
+            async with self._session.get(st.url, allow_redirects=False) as resp:
+                if resp.status != 200:
+                    raise _ScrapeFailure(f"HTTP {resp.status} from {st.url}")
+                length = resp.content_length
+                if length is not None and length > o.max_body_bytes:
+                    raise _ScrapeFailure(f"body of {length} bytes exceeds {o.max_body_bytes}")
+                body = await resp.read()
         except TimeoutError:
             raise _ScrapeFailure(f"timed out after {o.timeout_s:g}s ({st.url})") from None
         except aiohttp.ClientError as e:

@@ -7,7 +7,7 @@ datastore when scraped, costing nothing per request.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import GaugeMetricFamily
@@ -129,6 +129,15 @@ class EppMetrics:
             "plugin type and plugin name.",
             ["extension_point", "plugin_type", "plugin_name"], buckets=_SCHED_BUCKETS,
             registry=r)
+        self.prefix_hit_ratio = Histogram(
+            "inference_extension_prefix_indexer_hit_ratio",
+            "Ratio of the prompt's prefix blocks found in the chosen endpoint's cache "
+            "(approximate prefix index) to all its blocks.",
+            buckets=(0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0), registry=r)
+        self._prefix_size = Gauge(
+            "inference_extension_prefix_indexer_size",
+            "Number of prefix blocks held in the approximate prefix index, all endpoints.",
+            registry=r)
         self.pd_decisions = Counter(
             "epp_pd_decisions_total",
             "Prefill/decode decisions of a disaggregating profile handler, by type "
@@ -143,6 +152,10 @@ class EppMetrics:
         info.info({"commit": "", "build_ref": __version__})
         r.register(_PoolCollector(store, pool_name))
         self._plugin_children: dict[tuple[str, int], Histogram] = {}
+
+    def track_prefix_index_size(self, size: "Callable[[], float]") -> None:
+        """Report the prefix index size at scrape time (no per-request cost)."""
+        self._prefix_size.set_function(size)
 
     def observe_plugin(self, extension_point: str, plugin: Plugin, seconds: float) -> None:
         """PluginTimer: per-plugin latency (children cached: labels() is not free)."""

@@ -157,6 +157,9 @@ class SchedulingCore:
         primary = result.primary.endpoints
         for plugin in self.pre_request:
             plugin.pre_request(request, result)
+        hit = request.plugin_state.get(keys.PLUGIN_STATE_PREFIX_HIT_RATIO)
+        if hit is not None:
+            self.metrics.prefix_hit_ratio.observe(hit)
         set_headers: dict[str, str] = {}
         for hp in self.request_headers:
             set_headers.update(hp.request_headers(request, result))

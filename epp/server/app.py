@@ -45,6 +45,7 @@ from epp.observability.explain import DecisionLog
 from epp.observability.metrics import EppMetrics
 from epp.observability.tracing import Tracing
 from epp.scheduling.interfaces import Plugin
+from epp.scheduling.plugins.prefix import ApproxPrefixCacheProducer
 from epp.requestcontrol.director import Director, SchedulingCore
 from epp.server.workers import CoreServer, FrontPool, check_port_free, front_argv
 from epp.stack.procs import wait_port
@@ -150,6 +151,11 @@ class EppServer:
         for plugin in self.built.endpoint_removed:
             self.store.on_removed(lambda ep, p=plugin: p.endpoint_removed(ep.key))
         self.decisions = DecisionLog(o.explain_history) if o.explain_history > 0 else None
+        producers = [p for p in self.built.plugins.values()
+                     if isinstance(p, ApproxPrefixCacheProducer)]
+        if producers:
+            self.metrics.track_prefix_index_size(
+                lambda: float(sum(p.index.size() for p in producers)))
         self.tracing = Tracing() if o.tracing else None
         self.core = SchedulingCore(self.store, self.built.scheduler, self.metrics,
                                    self.built.pre_request, self.built.response_complete,

@@ -11,7 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from epp.datalayer.promparse import ParseError, Sample, SampleIndex, parse
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
-ALL_FIXTURES = sorted(p.name for p in FIXTURES.glob("*.txt") if not p.name.startswith("malformed"))
+ALL_FIXTURES = sorted(p.name for p in FIXTURES.glob("*.txt")
+                      if not p.name.startswith("malformed"))
 
 
 def fixture(name: str) -> str:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from epp import keys
 from epp.config.params import Params
 from epp.config.registry import PluginHandle
 from epp.errors import ConfigError
@@ -126,6 +127,9 @@ class ApproxPrefixCacheProducer:
         self.inflight[key] = self.inflight.get(key, 0) + 1
         hashes = self.hashes(request)
         if hashes:
+            # For the exported hit ratio: how much of the prompt the chosen endpoint held.
+            matched = self.index.match(hashes, (key,)).get(key, 0)
+            request.plugin_state[keys.PLUGIN_STATE_PREFIX_HIT_RATIO] = matched / len(hashes)
             self.index.add(key, hashes)
 
     def response_complete(self, request: LLMRequest, endpoint_key: str, aborted: bool) -> None:

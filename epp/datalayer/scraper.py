@@ -525,4 +525,17 @@ class ScraperCollector(Collector):
                                      "The scrape interval in force (stretched above the "
                                      "configured one while the event loop runs late).")
         interval.add_metric([], s.effective_interval)
-        return [scrapes, stale, interval]
+        age = GaugeMetricFamily("epp_model_server_metrics_age_seconds",
+                                "Seconds since each endpoint's last successful metrics scrape "
+                                "(absent until the first one succeeds).",
+                                labels=["model_server_pod"])
+        pod_stale = GaugeMetricFamily("epp_model_server_metrics_stale",
+                                      "1 while an endpoint's metrics are stale, else 0.",
+                                      labels=["model_server_pod"])
+        now = time.monotonic()
+        for ep in s._store.snapshot():
+            a = ep.metrics.age(now)
+            if a is not None:
+                age.add_metric([ep.name], a)
+            pod_stale.add_metric([ep.name], 1.0 if ep.metrics.stale else 0.0)
+        return [scrapes, stale, interval, age, pod_stale]

@@ -242,6 +242,26 @@ class Stack:
                            f"({last})")
 
 
+async def pod_ttft(ports: Sequence[int]) -> tuple[float, int]:
+    """(sum of seconds, count) of ``vllm:time_to_first_token_seconds`` over the pods: the
+    TTFT as the model servers see it (engine arrival to first token), without the
+    gateway's and the client's share."""
+    total, count = 0.0, 0
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
+        for p in ports:
+            try:
+                async with s.get(f"http://127.0.0.1:{p}/metrics") as r:
+                    text = await r.text()
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                continue
+            for line in text.splitlines():
+                if line.startswith("vllm:time_to_first_token_seconds_sum"):
+                    total += float(line.rsplit(" ", 1)[1])
+                elif line.startswith("vllm:time_to_first_token_seconds_count"):
+                    count += int(float(line.rsplit(" ", 1)[1]))
+    return total, count
+
+
 # ----------------------------------------------------------------- open-loop run
 
 
@@ -358,8 +378,10 @@ def summarize(samples: Sequence[Sample], elapsed_s: float, skipped: int,
         "error_kinds": dict(errors), "not_sent_or_cut": skipped,
         "elapsed_s": elapsed_s, "throughput_rps": len(ok) / elapsed_s if elapsed_s else 0.0,
         "hit_rate": cached / prompt if prompt else 0.0,
+        "ttft_mean_ms": 1000 * statistics.fmean(ttft) if ttft else float("nan"),
         "prompt_tokens": prompt, "cached_tokens": cached, "share": share,
         "share_max": max(share.values(), default=0.0),
+        "share_sorted": sorted(share.values(), reverse=True),
     }
     for name, xs in (("ttft", ttft), ("e2e", e2e)):
         for q in (50, 90, 99):
@@ -380,13 +402,16 @@ def summarize(samples: Sequence[Sample], elapsed_s: float, skipped: int,
     return out
 
 
-_MEDIAN_KEYS: Final = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "e2e_p50_ms",
+_MEDIAN_KEYS: Final = ("ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "e2e_p50_ms",
                        "e2e_p90_ms", "e2e_p99_ms", "hit_rate", "throughput_rps", "share_max")
 
 
 def median_of(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Per-metric medians over rounds (sums for counts)."""
     out: dict[str, Any] = {k: statistics.median(r[k] for r in rounds) for k in _MEDIAN_KEYS}
+    for k in ("pod_ttft_mean_ms", "gateway_ttft_overhead_ms"):
+        if all(k in r for r in rounds):
+            out[k] = statistics.median(r[k] for r in rounds)
     for k in ("requests", "ok", "errors", "not_sent_or_cut"):
         out[k] = sum(r[k] for r in rounds)
     kinds: Counter[str] = Counter()
@@ -395,6 +420,10 @@ def median_of(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
     out["error_kinds"] = dict(kinds)
     pods = sorted({p for r in rounds for p in r["share"]})
     out["share"] = {p: statistics.median(r["share"].get(p, 0.0) for r in rounds) for p in pods}
+    # Pods are fresh each round: compare the busiest with the busiest, and so on.
+    width = max(len(r["share_sorted"]) for r in rounds)
+    out["share_sorted"] = [statistics.median((r["share_sorted"] + [0.0] * width)[i]
+                                             for r in rounds) for i in range(width)]
     if all("by_kind" in r for r in rounds):
         out["by_kind"] = {
             k: {m: statistics.median(r["by_kind"][k][m] for r in rounds
@@ -449,6 +478,9 @@ def table(report: dict[str, Any]) -> str:
         ("TTFT p50 ms", lambda m: _ms(m["ttft_p50_ms"])),
         ("TTFT p90 ms", lambda m: _ms(m["ttft_p90_ms"])),
         ("TTFT p99 ms", lambda m: _ms(m["ttft_p99_ms"])),
+        ("TTFT mean ms", lambda m: _ms(m["ttft_mean_ms"])),
+        ("  at the pods", lambda m: _ms(m.get("pod_ttft_mean_ms", float("nan")))),
+        ("  gateway+client", lambda m: _ms(m.get("gateway_ttft_overhead_ms", float("nan")))),
         ("e2e p50 ms", lambda m: _ms(m["e2e_p50_ms"])),
         ("e2e p90 ms", lambda m: _ms(m["e2e_p90_ms"])),
         ("e2e p99 ms", lambda m: _ms(m["e2e_p99_ms"])),
@@ -458,9 +490,11 @@ def table(report: dict[str, Any]) -> str:
         ("requests ok", lambda m: str(m["ok"])),
         ("errors", lambda m: str(m["errors"])),
         ("busiest pod share", lambda m: f"{100 * m['share_max']:.0f}%"),
-        ("pod shares %", lambda m: "/".join(f"{100 * v:.0f}" for v in m["share"].values())),
+        ("pod shares %, busiest", lambda m: "/".join(f"{100 * v:.0f}"
+                                                      for v in m["share_sorted"])),
     ]
     c = report["ceiling"]
+    w = max(w, 14)
     lines = [f"workload {report['workload']}: {report['offered_rps']:.2f} req/s offered "
              f"({report['load_vs_capacity']:.0%} of the {report['capacity_rps']:.1f} req/s "
              f"cold-cache capacity), {report['duration_s']:g}s, {report['servers']} pods, "
@@ -468,9 +502,15 @@ def table(report: dict[str, Any]) -> str:
              "ceiling (offline replay, hit rate): " + ", ".join(
                  f"{k} {100 * v['hit_rate']:.1f}%" for k, v in c.items() if k != "bound")
              + f"; bound {100 * bound:.1f}%",
-             "", f"{'':20}" + "".join(f"{lbl:>{w}}" for lbl in labels)]
+             "", f"{'':24}" + "".join(f"{lbl:>{w}}" for lbl in labels)]
+    kinds = sorted({k for m in results.values() for k in m.get("by_kind", {})})
+    for kind in kinds:
+        rows.append((f"{kind} TTFT p90", lambda m, k=kind: _ms(
+            m.get("by_kind", {}).get(k, {}).get("ttft_p90_ms", float("nan")))))
+        rows.append((f"{kind} hit", lambda m, k=kind: f"{100 * m['by_kind'][k]['hit_rate']:.1f}%"
+                     if k in m.get("by_kind", {}) else "-"))
     for name, fn in rows:
-        lines.append(f"{name:20}" + "".join(f"{fn(results[lbl]):>{w}}" for lbl in labels))
+        lines.append(f"{name:24}" + "".join(f"{fn(results[lbl]):>{w}}" for lbl in labels))
     if report.get("skipped"):
         for lbl, why in report["skipped"].items():
             lines.append(f"skipped {lbl}: {why}")
@@ -631,6 +671,10 @@ async def run_bench(args: argparse.Namespace, log: Callable[[str], None] = print
                                                        duration_s=args.duration,
                                                        drain_s=args.drain, progress=progress)
                     m = summarize(samples, elapsed, cut, stack.pods)
+                    psum, pcount = await pod_ttft(stack.ports)
+                    # The readiness probe is one of pcount; its TTFT is ~0.
+                    m["pod_ttft_mean_ms"] = 1000 * psum / max(1, pcount - 1)
+                    m["gateway_ttft_overhead_ms"] = m["ttft_mean_ms"] - m["pod_ttft_mean_ms"]
                     if m["ok"] == 0:
                         log(stack.log_tails())
             except (OSError, RuntimeError, TimeoutError) as e:

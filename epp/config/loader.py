@@ -38,18 +38,23 @@ DEFAULT_CONFIG_TEXT = """\
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
 plugins:
+- type: approx-prefix-cache-producer
+  parameters: {blockSizeTokens: 16, maxPrefixBlocksToMatch: 256, lruCapacityPerServer: 31250,
+               balanceAbsThreshold: 2}
+- type: prefix-cache-scorer
+- type: active-request-scorer
+- type: no-hit-lru-scorer
 - type: queue-scorer
 - type: kv-cache-utilization-scorer
-- type: prefix-cache-scorer
-- type: approx-prefix-cache-producer
-  parameters: {blockSizeTokens: 16, maxPrefixBlocksToMatch: 256, lruCapacityPerServer: 31250}
 - type: max-score-picker
 schedulingProfiles:
 - name: default
   plugins:
-  - {pluginRef: queue-scorer, weight: 2}
-  - {pluginRef: kv-cache-utilization-scorer, weight: 2}
   - {pluginRef: prefix-cache-scorer, weight: 3}
+  - {pluginRef: active-request-scorer, weight: 2}
+  - {pluginRef: no-hit-lru-scorer, weight: 1}
+  - {pluginRef: queue-scorer, weight: 1}
+  - {pluginRef: kv-cache-utilization-scorer, weight: 1}
   - {pluginRef: max-score-picker}
 """
 

@@ -30,7 +30,13 @@ Contracts
 - Every POST is recorded on arrival, before any delay or failure, as ``{"path",
   "body_len", "body_sha256", "headers"}`` (header names lower-cased; repeated headers
   joined with ", ") in a deque of the last :data:`DEBUG_LOG_SIZE`; ``GET
-  /debug/requests`` returns it oldest first, ``DELETE /debug/requests`` clears it.
+  /debug/requests`` returns it oldest first, ``DELETE /debug/requests`` clears it. Once
+  the body parses, the record gains ``fields`` (``model``, ``stream``, the output-token
+  limits and ``kv_transfer_params``, those present); a decode pod that asked a prefill
+  pod adds ``pd`` (see :func:`_remote_prefill`).
+- P/D (``role = decode``): a generation request carrying ``x-prefiller-host-port`` is
+  prefilled by that pod first, as llm-d's decode sidecar does (:func:`_remote_prefill`;
+  docs/disaggregation.md).
   ``GET /debug/state`` returns the configuration and the engine's state.
 - ``/metrics``: vLLM metric names (:mod:`epp.sim.metrics`). ``/health``: 200, or 503
   during slow start. ``/v1/models``: the base model and each LoRA adapter.

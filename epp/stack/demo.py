@@ -80,6 +80,10 @@ async def _start_sims(ports: list[int], extra: list[str], log: Path) -> ManagedP
 
 
 async def _demo(args: argparse.Namespace) -> int:
+    if getattr(args, "pd", False):
+        from epp.stack.pd import pd_demo
+
+        return await pd_demo(args)
     workdir = Path(tempfile.mkdtemp(prefix="epp-demo-"))
     sim_extra = shlex.split(args.sim_args or "")
     epp_ports = [free_port() for _ in range(args.servers)]

@@ -2,7 +2,7 @@
 decode `epp sim` pods in two racks (Grove labels, node topology), the decode pods acting
 as llm-d's decode sidecar.
 
-Layout: rack-1 has 2 *slow* prefill pods (1 ms per prompt token, one sequence at a time:
+Layout: rack-1 has 2 *slow* prefill pods (2 ms per prompt token, one sequence at a time:
 easy to saturate) and 2 decode pods; rack-2 has 2 fast prefill pods and 2 decode pods;
 one more prefill pod in rack-2 always answers 500 and is outside the EPP's pool until a
 test puts it there.
@@ -20,7 +20,6 @@ import pytest_asyncio
 
 from epp.stack.pd import PdLayout, PdPod, PdStack, grove_layout, repo_config
 from epp.stack.procs import free_port
-
 from tests.integration.conftest import eventually
 
 HEADER = "x-prefiller-host-port"
@@ -30,7 +29,7 @@ FAILING = "llm-1-prefill-failing"
 def layout() -> PdLayout:
     def slow(role: str, rack: str, i: int) -> list[str]:
         if role == "prefill" and rack == "rack-1":
-            return ["--prefill-ms-per-token", "1", "--max-num-seqs", "1"]
+            return ["--prefill-ms-per-token", "2", "--max-num-seqs", "1"]
         return []
 
     lay = grove_layout(pod_args=slow)
@@ -46,7 +45,9 @@ def layout() -> PdLayout:
 async def pd(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[PdStack]:
     stack = PdStack(tmp_path_factory.mktemp("pd"), layout(),
                     config_file=repo_config("pd-grove.yaml"), log_level="info",
-                    epp_include=lambda p: p.name != FAILING)
+                    epp_include=lambda p: p.name != FAILING,
+                    # scrape every 50 ms even on a busy machine (no stretching)
+                    epp_args=["--metrics-max-loop-lag", "0"])
     await stack.start()
     try:
         yield stack
@@ -129,27 +130,39 @@ async def test_pairs_stay_in_the_rack_when_load_allows(
 
 
 async def test_a_saturated_rack_spills_over(pd: PdStack, session: aiohttp.ClientSession) -> None:
-    await pd.clear_debug(session)
-    before = await pd.pair_stats(session)
-    # Long prompts staggered by 60 ms: each takes rack-1's slow prefill pods 0.3 s, one at
-    # a time, so their queues grow (the EPP scrapes every 50 ms) and rack-1's decode pods
-    # are paired with rack-2's prefill pods instead.
-    tasks = []
-    for i in range(16):
-        tasks.append(asyncio.create_task(chat(session, pd, prompt(f"hot{i}-", 300))))
-        await asyncio.sleep(0.06)
-    await asyncio.gather(*tasks)
-    pairs = []
-    for p in pd.layout.by_role("decode"):
-        async with session.get(f"http://{p.key}/debug/requests") as r:
-            for rec in await r.json():
-                pairs.append((p.rack, pd.layout.rack_of(rec["headers"][HEADER])))
-    assert len(pairs) == 16
-    rack1 = [pr for d, pr in pairs if d == "rack-1"]
-    assert rack1 and "rack-2" in rack1, pairs  # spilled over to the other rack
-    assert all(pr == "rack-2" for d, pr in pairs if d == "rack-2"), pairs  # fast rack: local
-    stats = (await pd.pair_stats(session)).minus(before)
-    assert stats.by_distance["block"] >= 1 and stats.remote_prefills == 16
+    # Only rack-1's decode pods in the pool: every request wants rack-1's slow prefill
+    # pods (0.6 s per 300-word prompt, one at a time).
+    rack1_decodes = {p.key for p in pd.layout.by_role("decode") if p.rack == "rack-1"}
+    pd.set_pool(lambda p: p.name != FAILING and (p.role == "prefill" or p.rack == "rack-1"))
+    try:
+        async def only_rack1() -> bool:
+            served = [await chat(session, pd, prompt(f"probe{i}-", 8)) for i in range(4)]
+            return set(served) <= rack1_decodes
+
+        await eventually(only_rack1, timeout=10, interval=0.2)
+        await asyncio.sleep(0.3)  # the probes' prefills are done
+        await pd.clear_debug(session)
+        before = await pd.pair_stats(session)
+        # Long prompts staggered by 100 ms: rack-1's prefill queues grow (the EPP scrapes
+        # every 50 ms), and the pairing spills over to rack-2's idle prefill pods.
+        tasks = []
+        for i in range(16):
+            tasks.append(asyncio.create_task(chat(session, pd, prompt(f"hot{i}-", 300))))
+            await asyncio.sleep(0.1)
+        await asyncio.gather(*tasks)
+        pairs = []
+        for key in rack1_decodes:
+            async with session.get(f"http://{key}/debug/requests") as r:
+                for rec in await r.json():
+                    pairs.append(pd.layout.rack_of(rec["headers"][HEADER]))
+        assert len(pairs) == 16
+        assert pairs.count("rack-1") >= 2, pairs  # while rack-1 had room: local pairs
+        assert pairs.count("rack-2") >= 2, pairs  # then: spilled over to the other rack
+        stats = (await pd.pair_stats(session)).minus(before)
+        assert stats.remote_prefills == 16
+        assert stats.by_distance["block"] == pairs.count("rack-2")
+    finally:
+        await restore(pd, session)
 
 
 async def test_without_prefill_pods_decode_serves_alone_and_a_spoofed_header_is_removed(

@@ -302,7 +302,7 @@ async def test_subset_hint_from_envoy_metadata_narrows_candidates(
 
 async def test_default_config_keeps_a_prompt_on_the_pod_that_cached_it(
         upstreams: Upstreams, session: aiohttp.ClientSession, tmp_path: Path) -> None:
-    """Built-in config (queue 2, kv 2, prefix 3) through real Envoy: prefix affinity."""
+    """Built-in default config through real Envoy: prefix affinity."""
     s = await start_stack("FULL_DUPLEX_STREAMED", upstreams, tmp_path, config=None)
     try:
         spread = Counter()

@@ -234,10 +234,13 @@ def test_summarize_and_median_of() -> None:
     assert m["error_kinds"] == {"HTTP 503": 1} and m["not_sent_or_cut"] == 2
     assert m["hit_rate"] == 0.5 and m["throughput_rps"] == 2.0
     assert m["share"] == {"pod0": 0.75, "pod1": 0.25} and m["share_max"] == 0.75
+    assert m["share_sorted"] == [0.75, 0.25]
     assert m["ttft_p50_ms"] == pytest.approx(100) and m["ttft_p90_ms"] == pytest.approx(180)
     med = quality.median_of([m, {**m, "ttft_p90_ms": 300.0}, {**m, "ttft_p90_ms": 100.0}])
     assert med["ttft_p90_ms"] == pytest.approx(180) and med["requests"] == 63
     assert med["rounds"] == 3 and med["error_kinds"] == {"HTTP 503": 3}
+    flipped = {**m, "share": {"pod0": 0.25, "pod1": 0.75}}
+    assert quality.median_of([m, flipped, m])["share_sorted"] == [0.75, 0.25]
 
 
 def test_summarize_by_kind_for_mixes() -> None:
@@ -283,7 +286,7 @@ def test_table_and_text_chart() -> None:
     rep = _report()
     t = quality.table(rep)
     for needle in ("TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms", "e2e p50 ms", "hit rate",
-                   "hit / ceiling", "throughput req/s", "errors", "pod shares %",
+                   "hit / ceiling", "throughput req/s", "errors", "pod shares %, busiest",
                    "skipped sglang: not installed", "target [epp]", "bound 50.0%"):
         assert needle in t, needle
     assert "1.00" in t  # epp's hit rate is the bound

@@ -101,27 +101,35 @@ def test_default_config_builds() -> None:
     assert list(sched.profiles) == ["default"]
     profile = sched.profiles["default"]
     assert profile.filters == ()
+    # The winner of `epp bench` (docs/benchmarks.md, "Choosing the default").
     assert scorer_table(built) == [
-        ("queue-scorer", "queue-scorer", 2.0),
-        ("kv-cache-utilization-scorer", "kv-cache-utilization-scorer", 2.0),
         ("prefix-cache-scorer", "prefix-cache-scorer", 3.0),
+        ("active-request-scorer", "active-request-scorer", 2.0),
+        ("no-hit-lru-scorer", "no-hit-lru-scorer", 1.0),
+        ("queue-scorer", "queue-scorer", 1.0),
+        ("kv-cache-utilization-scorer", "kv-cache-utilization-scorer", 1.0),
     ]
     assert isinstance(profile.picker, MaxScorePicker)
     assert profile.picker.name == "max-score-picker"
     assert profile.picker.max_num_of_endpoints == 1
     assert set(built.plugins) == {"queue-scorer", "kv-cache-utilization-scorer",
                                   "prefix-cache-scorer", "approx-prefix-cache-producer",
+                                  "active-request-scorer", "no-hit-lru-scorer",
                                   "max-score-picker", "single-profile-handler"}
+    producer = built.plugins["approx-prefix-cache-producer"]
+    assert producer.balance_abs_threshold == 2  # type: ignore[attr-defined]
 
 
 def test_default_config_schedules_with_weights() -> None:
-    # e1: 2*(10-0)/10 + 2*(1-0.9) = 2.2 ; e2: 2*0 + 2*(1-0) = 2.0 -> e1
+    # A prompt shorter than a block: prefix 0 everywhere; nothing in flight: active 1 for
+    # both; a cold request: no-hit-lru ranks the candidates in order (1, 0).
+    # e1: 3*0 + 2*1 + 1*1 + 1*(10-0)/10 + 1*(1-0.9) = 4.1 ; e2: 0 + 2 + 0 + 0 + 1 = 3.0
     e1 = ep(1, waiting_queue_size=0, kv_cache_usage=0.9)
     e2 = ep(2, waiting_queue_size=10, kv_cache_usage=0.0)
     result = load_and_build().scheduler.schedule(req(), [e1, e2])
     assert result.primary_profile == "default"
     assert result.primary.endpoints == (e1,)
-    assert result.primary.scores == {e1.key: pytest.approx(2.2)}
+    assert result.primary.scores == {e1.key: pytest.approx(4.1)}
 
 
 def test_default_yaml_file_matches_builtin_default() -> None:
@@ -129,6 +137,13 @@ def test_default_yaml_file_matches_builtin_default() -> None:
     assert yaml.safe_load(on_disk) == yaml.safe_load(DEFAULT_CONFIG_TEXT)
     built = load_and_build(path=str(REPO / "config" / "default.yaml"))
     assert scorer_table(built) == scorer_table(load_and_build())
+
+
+def test_gie_default_example_keeps_gies_weights() -> None:
+    built = load_and_build(path=str(REPO / "config" / "gie-default.yaml"))
+    assert [(t, w) for _, t, w in scorer_table(built)] == [
+        ("queue-scorer", 2.0), ("kv-cache-utilization-scorer", 2.0),
+        ("prefix-cache-scorer", 3.0)]
 
 
 def test_queue_only_example_builds() -> None:
@@ -292,8 +307,9 @@ def test_empty_document_builds_the_default_config() -> None:
     built = build(parse_config("", SRC))
     assert list(built.scheduler.profiles) == ["default"]
     assert [(s.type_name, w) for s, w in built.scheduler.profiles["default"].scorers] == [
-        ("queue-scorer", 2.0), ("kv-cache-utilization-scorer", 2.0),
-        ("prefix-cache-scorer", 3.0)]
+        ("prefix-cache-scorer", 3.0), ("active-request-scorer", 2.0),
+        ("no-hit-lru-scorer", 1.0), ("queue-scorer", 1.0),
+        ("kv-cache-utilization-scorer", 1.0)]
     assert isinstance(built.scheduler.profiles["default"].picker, MaxScorePicker)
 
 

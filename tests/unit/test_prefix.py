@@ -56,7 +56,7 @@ def test_index_longest_leading_run() -> None:
     h = list(range(1, 11))
     idx.add("a", h[:6])
     idx.add("b", h[:2])
-    idx.add("c", [h[0], h[5]])  # a gap: only the leading run counts
+    idx.add("c", [h[0], 99])  # another chain sharing only the first block
     assert idx.match(h, ["a", "b", "c", "d"]) == {"a": 6, "b": 2, "c": 1, "d": 0}
     idx.add("a", h)
     assert idx.match(h, ["a"]) == {"a": 10}
@@ -64,12 +64,12 @@ def test_index_longest_leading_run() -> None:
 
 def test_index_is_bounded_per_endpoint_lru() -> None:
     idx = PrefixIndex(5)
-    idx.add("a", [1, 2, 3, 4, 5])
-    idx.add("a", [1])          # 1 is now most recent
-    idx.add("a", [6, 7])       # evicts 2 and 3
+    idx.add("a", [1, 2, 3, 4, 5])  # recorded tail first: 1 is the most recent
+    idx.add("a", [6, 7])       # evicts the chain's tail, 5 and 4, head kept (as vLLM)
     assert idx.size() == 5
-    assert idx.match([1], ["a"]) == {"a": 1}
-    assert idx.match([2], ["a"]) == {"a": 0}
+    assert idx.match([1, 2, 3, 4, 5], ["a"]) == {"a": 3}
+    assert idx.match([4], ["a"]) == {"a": 0}
+    assert idx.match([6, 7], ["a"]) == {"a": 2}
     for i in range(1000):
         idx.add("b", [1000 + i])
     assert idx.size() == 10 and idx.capacity("b") == 5
@@ -88,8 +88,9 @@ def test_set_capacity_shrinks_at_once() -> None:
     idx = PrefixIndex(10)
     idx.add("a", list(range(10)))
     idx.set_capacity("a", 3)
-    assert idx.size() == 3 and idx.match([7, 8, 9], ["a"]) == {"a": 3}  # most recent kept
-    assert idx.match([0], ["a"]) == {"a": 0}
+    # The chain's head is its most recent part (recorded tail first): kept.
+    assert idx.size() == 3 and idx.match(list(range(10)), ["a"]) == {"a": 3}
+    assert idx.match([9], ["a"]) == {"a": 0}
 
 
 def test_scorer_scores_matched_over_total_and_index_follows_decisions() -> None:

@@ -122,7 +122,7 @@ async def test_responses_and_completions_limit_fields() -> None:
 async def test_without_the_header_the_decode_pod_serves_everything() -> None:
     cfg = SimConfig(role="decode", prefill_ms_per_token=0.2, time_scale=1.0)
     async with pod(cfg, "d") as d:
-        t, usage = await ttft_ms(d, words(300, "a"))
+        t, _ = await ttft_ms(d, words(300, "a"))
         assert t >= 55  # 300 tokens x 0.2 ms, computed locally
         (rec,) = await log(d)
         assert "pd" not in rec

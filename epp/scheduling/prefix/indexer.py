@@ -71,14 +71,21 @@ class PrefixIndex:
                     del holders[h]
 
     def add(self, endpoint: str, hashes: Sequence[int]) -> None:
-        """Record that ``endpoint`` now holds these blocks (most recent use)."""
+        """Record that ``endpoint`` now holds these blocks (most recent use).
+
+        Recorded tail first, so a chain's head is its most recently used block and is
+        evicted last — as vLLM frees a sequence's blocks tail first. Any block is then
+        used (added or refreshed) together with every block before it in its chain, so
+        the blocks of a chain an endpoint holds are always a leading run: :meth:`match`
+        relies on it.
+        """
         if not hashes:
             return
         lru = self._lru.get(endpoint)
         if lru is None:
             lru = self._lru[endpoint] = OrderedDict()
         holders = self._holders
-        for h in hashes:
+        for h in reversed(hashes):
             if h in lru:
                 lru.move_to_end(h)
             else:
@@ -91,28 +98,37 @@ class PrefixIndex:
         self._evict(endpoint, lru)
 
     def match(self, hashes: Sequence[int], endpoints: Iterable[str]) -> dict[str, int]:
-        """Longest leading run of ``hashes`` held by each of ``endpoints`` (0 if none)."""
-        result = {e: 0 for e in endpoints}
-        alive = set(result)
-        holders = self._holders
-        for i, h in enumerate(hashes):
-            held = holders.get(h)
-            if not held:
-                break
-            still = alive & held
-            if len(still) != len(alive):
-                for e in alive - still:
-                    result[e] = i
-                alive = still
-            if not alive:
-                return result
-        else:
-            i = len(hashes)
-            for e in alive:
-                result[e] = i
+        """Longest leading run of ``hashes`` held by each of ``endpoints`` (0 if none).
+
+        Only endpoints holding the first block can match. What an endpoint holds of a
+        chain is a leading run (see :meth:`add`), so its length is found by binary search:
+        O(log n) lookups per such endpoint instead of a pass over every block
+        (bench/sched_micro.py).
+        """
+        result = dict.fromkeys(endpoints, 0)
+        if not hashes:
             return result
-        for e in alive:
-            result[e] = i
+        first = self._holders.get(hashes[0])
+        if not first:
+            return result
+        n = len(hashes)
+        last = hashes[n - 1]
+        lrus = self._lru
+        for e in first:
+            if e not in result:
+                continue
+            lru = lrus[e]
+            if last in lru:
+                result[e] = n
+                continue
+            lo, hi = 1, n - 1  # invariant: hashes[lo - 1] held, hashes[hi] not held
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if hashes[mid] in lru:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            result[e] = lo
         return result
 
     def remove_endpoint(self, endpoint: str) -> None:

@@ -15,6 +15,8 @@ a series it reads. docs/observability.md must list every exported family.
 
 from __future__ import annotations
 
+import asyncio
+
 import json
 import re
 import shutil
@@ -319,11 +321,19 @@ async def _default_stack_scrape(upstreams: Upstreams, session: aiohttp.ClientSes
         ]
         for path, raw, status, _ in errors:
             await _post(session, s.url + path, raw, status)
-        text = await _scrape(session, f"http://127.0.0.1:{s.epp.metrics_port}/metrics")
+        routed = len(ok) + sum(1 for e in errors if e[3])
+        # A stream's outcome is counted when Envoy closes the ext_proc stream, which can
+        # be just after the client has its response: wait (bounded) for all of them.
+        deadline = asyncio.get_running_loop().time() + 10
+        while True:
+            text = await _scrape(session, f"http://127.0.0.1:{s.epp.metrics_port}/metrics")
+            if (_value(text, "epp_extproc_streams_total", outcome="completed") == routed
+                    or asyncio.get_running_loop().time() > deadline):
+                break
+            await asyncio.sleep(0.1)
     finally:
         await stop_stack(s)
     # The scrape shows the traffic sent: counts and error codes.
-    routed = len(ok) + sum(1 for e in errors if e[3])
     assert _value(text, "inference_objective_request_total", model_name="dash-model") == routed
     assert _value(text, "inference_objective_request_duration_seconds_count",
                   model_name="dash-model") == len(ok)

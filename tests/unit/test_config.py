@@ -101,7 +101,7 @@ def test_default_config_builds() -> None:
     assert list(sched.profiles) == ["default"]
     profile = sched.profiles["default"]
     assert profile.filters == ()
-    # The winner of `epp bench` (docs/benchmarks.md, "Choosing the default").
+    # Picked from `epp bench` runs (results not yet recorded in docs/benchmarks.md).
     assert scorer_table(built) == [
         ("prefix-cache-scorer", "prefix-cache-scorer", 3.0),
         ("active-request-scorer", "active-request-scorer", 2.0),

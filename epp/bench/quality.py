@@ -108,7 +108,7 @@ def ensure_sglang(install: bool, log: Callable[[str], None] = print) -> str | No
     log(f"installing {SGLANG_REQUIREMENT} into {sys.prefix} ...")
     try:
         r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", SGLANG_REQUIREMENT],
-                           capture_output=True, text=True, timeout=300)
+                           capture_output=True, text=True, timeout=300, check=False)
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"pip install {SGLANG_REQUIREMENT} failed: {e}"
     importlib.invalidate_caches()
@@ -485,7 +485,7 @@ def table(report: dict[str, Any]) -> str:
         ("e2e p90 ms", lambda m: _ms(m["e2e_p90_ms"])),
         ("e2e p99 ms", lambda m: _ms(m["e2e_p99_ms"])),
         ("hit rate", lambda m: f"{100 * m['hit_rate']:.1f}%"),
-        ("hit / ceiling", lambda m: f"{m['hit_rate'] / bound:.2f}" if bound else "-"),
+        ("hit / ceiling", lambda m: f"{m['hit_rate'] / bound:.3f}" if bound else "-"),
         ("throughput req/s", lambda m: f"{m['throughput_rps']:.2f}"),
         ("requests ok", lambda m: str(m["ok"])),
         ("errors", lambda m: str(m["errors"])),
@@ -503,19 +503,23 @@ def table(report: dict[str, Any]) -> str:
                  f"{k} {100 * v['hit_rate']:.1f}%" for k, v in c.items() if k != "bound")
              + f"; bound {100 * bound:.1f}%",
              "", f"{'':24}" + "".join(f"{lbl:>{w}}" for lbl in labels)]
-    kinds = sorted({k for m in results.values() for k in m.get("by_kind", {})})
-    for kind in kinds:
-        rows.append((f"{kind} TTFT p90", lambda m, k=kind: _ms(
-            m.get("by_kind", {}).get(k, {}).get("ttft_p90_ms", float("nan")))))
-        rows.append((f"{kind} hit", lambda m, k=kind: f"{100 * m['by_kind'][k]['hit_rate']:.1f}%"
-                     if k in m.get("by_kind", {}) else "-"))
+    def kind_p90(k: str) -> Callable[[dict[str, Any]], str]:
+        return lambda m: _ms(m.get("by_kind", {}).get(k, {}).get("ttft_p90_ms", float("nan")))
+
+    def kind_hit(k: str) -> Callable[[dict[str, Any]], str]:
+        return lambda m: (f"{100 * m['by_kind'][k]['hit_rate']:.1f}%"
+                          if k in m.get("by_kind", {}) else "-")
+
+    for kind in sorted({k for m in results.values() for k in m.get("by_kind", {})}):
+        rows.append((f"{kind} TTFT p90", kind_p90(kind)))
+        rows.append((f"{kind} hit", kind_hit(kind)))
     for name, fn in rows:
         lines.append(f"{name:24}" + "".join(f"{fn(results[lbl]):>{w}}" for lbl in labels))
     if report.get("skipped"):
         for lbl, why in report["skipped"].items():
             lines.append(f"skipped {lbl}: {why}")
     for v in report["verdicts"]:
-        lines.append(f"target [{v['router']}] {v['target']}: {v['value']:.2f} -> "
+        lines.append(f"target [{v['router']}] {v['target']}: {v['value']:.3f} -> "
                      f"{'met' if v['met'] else 'NOT met'}")
     return "\n".join(lines)
 
@@ -527,7 +531,7 @@ def have_matplotlib(install: bool, log: Callable[[str], None] = print) -> bool:
         return False
     log("installing matplotlib for the chart ...")
     r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "matplotlib"],
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=300, check=False)
     importlib.invalidate_caches()
     return r.returncode == 0 and importlib.util.find_spec("matplotlib") is not None
 
@@ -563,15 +567,17 @@ def chart(report: dict[str, Any], path: Path) -> None:
     ax.set_title("cached prompt tokens / prompt tokens")
     ax.legend(loc="lower right")
     ax = axes[2]
-    pods = sorted({p for lbl in labels for p in results[lbl]["share"]})
+    width_pods = max(len(results[lbl]["share_sorted"]) for lbl in labels)
     bottom = [0.0] * len(labels)
-    for p in pods:
-        vals = [100 * results[lbl]["share"].get(p, 0.0) for lbl in labels]
-        ax.bar(list(x), vals, bottom=bottom, label=p)
-        bottom = [b + v for b, v in zip(bottom, vals)]
+    for i in range(width_pods):
+        vals = [100 * (results[lbl]["share_sorted"][i]
+                       if i < len(results[lbl]["share_sorted"]) else 0.0) for lbl in labels]
+        ax.bar(list(x), vals, bottom=bottom,
+               label="busiest pod" if i == 0 else f"pod #{i + 1}")
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     ax.set_xticks(list(x), labels, rotation=15)
     ax.set_ylabel("share of requests (%)")
-    ax.set_title("per-pod share")
+    ax.set_title("per-pod share, busiest first")
     ax.legend(fontsize="small")
     fig.suptitle(f"epp bench — {report['workload']}, {report['offered_rps']:.1f} req/s, "
                  f"{report['servers']} pods")

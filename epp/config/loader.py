@@ -39,8 +39,7 @@ apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
 plugins:
 - type: approx-prefix-cache-producer
-  parameters: {blockSizeTokens: 16, maxPrefixBlocksToMatch: 256, lruCapacityPerServer: 31250,
-               balanceAbsThreshold: 2}
+  parameters: {blockSizeTokens: 16, maxPrefixBlocksToMatch: 256, lruCapacityPerServer: 31250}
 - type: prefix-cache-scorer
 - type: active-request-scorer
 - type: no-hit-lru-scorer
@@ -51,7 +50,7 @@ schedulingProfiles:
 - name: default
   plugins:
   - {pluginRef: prefix-cache-scorer, weight: 3}
-  - {pluginRef: active-request-scorer, weight: 2}
+  - {pluginRef: active-request-scorer, weight: 1}
   - {pluginRef: no-hit-lru-scorer, weight: 1}
   - {pluginRef: queue-scorer, weight: 1}
   - {pluginRef: kv-cache-utilization-scorer, weight: 1}

@@ -31,7 +31,7 @@ def test_bench_smoke_runs_every_router_and_writes_the_report(tmp_path: Path) -> 
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "epp.cli", "bench", "--smoke", "--workload", "mix",
                         "--out", str(out), "--no-progress"],
-                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+                       capture_output=True, text=True, timeout=120, cwd=ROOT, check=False)
     took = time.monotonic() - t0
     assert r.returncode == 0, r.stdout + r.stderr
     assert took < 60, took

@@ -101,10 +101,10 @@ def test_default_config_builds() -> None:
     assert list(sched.profiles) == ["default"]
     profile = sched.profiles["default"]
     assert profile.filters == ()
-    # Picked from `epp bench` runs (results not yet recorded in docs/benchmarks.md).
+    # The winner of `epp bench` (docs/benchmarks.md, "Choosing the default").
     assert scorer_table(built) == [
         ("prefix-cache-scorer", "prefix-cache-scorer", 3.0),
-        ("active-request-scorer", "active-request-scorer", 2.0),
+        ("active-request-scorer", "active-request-scorer", 1.0),
         ("no-hit-lru-scorer", "no-hit-lru-scorer", 1.0),
         ("queue-scorer", "queue-scorer", 1.0),
         ("kv-cache-utilization-scorer", "kv-cache-utilization-scorer", 1.0),
@@ -117,19 +117,19 @@ def test_default_config_builds() -> None:
                                   "active-request-scorer", "no-hit-lru-scorer",
                                   "max-score-picker", "single-profile-handler"}
     producer = built.plugins["approx-prefix-cache-producer"]
-    assert producer.balance_abs_threshold == 2  # type: ignore[attr-defined]
+    assert producer.balance_abs_threshold == 4  # type: ignore[attr-defined]
 
 
 def test_default_config_schedules_with_weights() -> None:
     # A prompt shorter than a block: prefix 0 everywhere; nothing in flight: active 1 for
     # both; a cold request: no-hit-lru ranks the candidates in order (1, 0).
-    # e1: 3*0 + 2*1 + 1*1 + 1*(10-0)/10 + 1*(1-0.9) = 4.1 ; e2: 0 + 2 + 0 + 0 + 1 = 3.0
+    # e1: 3*0 + 1*1 + 1*1 + 1*(10-0)/10 + 1*(1-0.9) = 3.1 ; e2: 0 + 1 + 0 + 0 + 1 = 2.0
     e1 = ep(1, waiting_queue_size=0, kv_cache_usage=0.9)
     e2 = ep(2, waiting_queue_size=10, kv_cache_usage=0.0)
     result = load_and_build().scheduler.schedule(req(), [e1, e2])
     assert result.primary_profile == "default"
     assert result.primary.endpoints == (e1,)
-    assert result.primary.scores == {e1.key: pytest.approx(4.1)}
+    assert result.primary.scores == {e1.key: pytest.approx(3.1)}
 
 
 def test_default_yaml_file_matches_builtin_default() -> None:
@@ -307,7 +307,7 @@ def test_empty_document_builds_the_default_config() -> None:
     built = build(parse_config("", SRC))
     assert list(built.scheduler.profiles) == ["default"]
     assert [(s.type_name, w) for s, w in built.scheduler.profiles["default"].scorers] == [
-        ("prefix-cache-scorer", 3.0), ("active-request-scorer", 2.0),
+        ("prefix-cache-scorer", 3.0), ("active-request-scorer", 1.0),
         ("no-hit-lru-scorer", 1.0), ("queue-scorer", 1.0),
         ("kv-cache-utilization-scorer", 1.0)]
     assert isinstance(built.scheduler.profiles["default"].picker, MaxScorePicker)

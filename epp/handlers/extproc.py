@@ -284,10 +284,15 @@ class ExtProcStream:
         replaced = None
         if self._routing is not None:
             replaced = self._director.on_response_body(self._routing.context, chunk, b.end_of_stream)
+        return self._response_body_reply(b, replaced)
+
+    def _response_body_reply(self, b: pb.HttpBody,
+                             replaced: bytes | None) -> Sequence[pb.ProcessingResponse]:
+        """Pass a response body chunk on (echoed in full duplex), ``replaced`` if given."""
         if b.end_of_stream:
             self._report_done(aborted=False)
         if self._resp_duplex:
-            out = chunk if replaced is None else replaced
+            out = b.body if replaced is None else replaced
             return [pb.ProcessingResponse(response_body=pb.BodyResponse(
                 response=pb.CommonResponse(body_mutation=pb.BodyMutation(
                     streamed_response=pb.StreamedBodyResponse(
@@ -300,15 +305,7 @@ class ExtProcStream:
     def _passthrough(self, msg: pb.ProcessingRequest, kind: str | None) -> Sequence[pb.ProcessingResponse]:
         """After routing, a failing callback must not break the response: pass it on."""
         if kind == "response_body":
-            b = msg.response_body
-            if b.end_of_stream:
-                self._report_done(aborted=False)
-            if self._resp_duplex:
-                return [pb.ProcessingResponse(response_body=pb.BodyResponse(
-                    response=pb.CommonResponse(body_mutation=pb.BodyMutation(
-                        streamed_response=pb.StreamedBodyResponse(
-                            body=b.body, end_of_stream=b.end_of_stream)))))]
-            return [_CONTINUE_RESP_BODY]
+            return self._response_body_reply(msg.response_body, None)
         if kind == "response_headers":
             if msg.response_headers.end_of_stream:
                 self._report_done(aborted=False)

@@ -23,7 +23,10 @@ HEADER_TRACEPARENT: Final = "traceparent"
 # --- Routing headers (output; never accepted from clients) ---
 HEADER_DESTINATION: Final = "x-gateway-destination-endpoint"
 HEADER_PREFILLER: Final = "x-prefiller-host-port"
-ROUTING_HEADERS: Final = (HEADER_DESTINATION, HEADER_PREFILLER)
+# llm-d's data-parallel header: the rank endpoint chosen, when the disagg handlers'
+# ``primaryPort`` sends the request to the pod's primary port (its sidecar) instead.
+HEADER_DATA_PARALLEL: Final = "x-data-parallel-host-port"
+ROUTING_HEADERS: Final = (HEADER_DESTINATION, HEADER_PREFILLER, HEADER_DATA_PARALLEL)
 
 # --- Dynamic metadata ---
 METADATA_NAMESPACE_LB: Final = "envoy.lb"
@@ -58,8 +61,14 @@ LABEL_GROVE_POD_INDEX: Final = "grove.io/podclique-pod-index"
 LABEL_GROVE_PCSG_POD_INDEX: Final = "grove.io/podcliquescalinggroup-pod-index"
 LABEL_PART_OF: Final = "app.kubernetes.io/part-of"
 
-# --- LeaderWorkerSet pod label (multi-node groups; the leader is worker 0) ---
+# --- LeaderWorkerSet pod labels (multi-node groups; the leader is worker 0) ---
 LABEL_LWS_WORKER_INDEX: Final = "leaderworkerset.sigs.k8s.io/worker-index"
+LABEL_LWS_GROUP_KEY: Final = "leaderworkerset.sigs.k8s.io/group-key"  # same on every member
+ANNOTATION_LWS_SIZE: Final = "leaderworkerset.sigs.k8s.io/size"  # pods in the group
+
+# --- Grove's gang object (scheduler.grove.io): each PodGang lists its pod groups ---
+K8S_PODGANG_GROUP_VERSION: Final = "scheduler.grove.io/v1alpha1"
+K8S_PODGANG_PLURAL: Final = "podgangs"
 
 # --- Node topology labels ---
 LABEL_HOSTNAME: Final = "kubernetes.io/hostname"

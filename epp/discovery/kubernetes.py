@@ -18,7 +18,9 @@ rank — named ``<pod>-rank-<index of the port in targetPorts>``; the pod annota
 ``inference.networking.k8s.io/active-ports: "8000,8002"`` narrows the ports that take
 traffic. Each endpoint carries the pod's namespace, labels and ``spec.nodeName``; a Node
 watch supplies that node's labels (topology: rack, block, zone…). Without RBAC for Nodes
-(403) discovery goes on without node labels and says so once.
+(403) discovery goes on without node labels and says so once. Pods of a multi-node gang
+(LeaderWorkerSet group, Grove PodGang) that is not complete take no traffic
+(:mod:`epp.discovery.gangs`).
 
 Writes go to the :class:`~epp.datastore.store.Datastore` through ``set_endpoints`` from
 one task, after a short debounce (``debounce_s``) so a burst of watch events costs one
@@ -39,6 +41,7 @@ from typing import Any
 
 from epp import keys
 from epp.datastore.store import Datastore
+from epp.discovery.gangs import GangTracker, pod_ready
 from epp.discovery.kubeclient import ACCEPT_METADATA, ACCEPT_METADATA_LIST, JsonObj, KubeApi
 from epp.discovery.reflector import Reflector, ReflectorOptions
 from epp.errors import ConfigError
@@ -82,6 +85,7 @@ class PodInfo:
     ready: bool
     node_name: str | None
     active_ports: str | None  # the raw annotation value, None when absent
+    lws_size: str | None = None  # LeaderWorkerSet's group-size annotation, raw
 
 
 def parse_selector(text: str, where: str = "--endpoint-selector") -> dict[str, str]:
@@ -178,22 +182,16 @@ def pod_info(pod: JsonObj) -> PodInfo:
     meta = pod.get("metadata") or {}
     spec = pod.get("spec") or {}
     status = pod.get("status") or {}
-    ready = False
-    for cond in status.get("conditions") or []:
-        if isinstance(cond, Mapping) and cond.get("type") == "Ready":
-            ready = cond.get("status") == "True"
-            break
-    if meta.get("deletionTimestamp"):
-        ready = False  # terminating pods take no new traffic
     annotations = meta.get("annotations") or {}
     return PodInfo(
         name=str(meta.get("name", "")),
         namespace=str(meta.get("namespace", "")),
         labels=MappingProxyType({str(k): str(v) for k, v in (meta.get("labels") or {}).items()}),
         ip=str(status.get("podIP") or ""),
-        ready=ready,
+        ready=pod_ready(pod),
         node_name=spec.get("nodeName") or None,
         active_ports=annotations.get(keys.ANNOTATION_ACTIVE_PORTS),
+        lws_size=annotations.get(keys.ANNOTATION_LWS_SIZE),
     )
 
 
@@ -296,6 +294,7 @@ class KubernetesSource:
         self._pods: Reflector | None = None
         self._nodes: Reflector | None = None
         self._dirty = asyncio.Event()
+        self.gangs = GangTracker(api, options.namespace, self._dirty.set, options.reflector)
         self._task: asyncio.Task[None] | None = None
         self._last_sig: tuple[Any, ...] | None = None
         self._last_ready: bool | None = None
@@ -353,6 +352,7 @@ class KubernetesSource:
             if r is not None:
                 await r.stop()
         self._pool_reflector = self._pods = self._nodes = None
+        await self.gangs.stop()
 
     async def wait_ready(self, timeout: float) -> bool:
         """Wait until ``ready`` (tests, tools); False on timeout."""
@@ -431,8 +431,12 @@ class KubernetesSource:
             return
         eps: list[Endpoint] = []
         if self.pool is not None and self._pods is not None:
+            pods = [p for p in self._pods.objects.values() if p.ready and p.ip]
+            self.gangs.observe(pods)
+            if not self.gangs.synced:
+                return
             node_map = {k.lstrip("/"): v for k, v in nodes.objects.items()} if nodes else {}
-            eps = build_endpoints(self._pods.objects.values(), self.pool, node_map)
+            eps = build_endpoints(self.gangs.admit(pods), self.pool, node_map)
         sig = _signature(eps)
         if sig != self._last_sig:
             self._last_sig = sig

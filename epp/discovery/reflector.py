@@ -92,6 +92,7 @@ class Reflector:
         self.resource_version = ""
         self.synced = False
         self.forbidden = False
+        self.not_found = False  # 404 on list: the resource is not served (CRD missing)
         self.last_error: str | None = None
         self.lists = 0  # completed lists (observability, tests)
         self._task: asyncio.Task[None] | None = None
@@ -135,7 +136,7 @@ class Reflector:
             if status == 410:
                 # The continue token expired mid-listing: start over.
                 raise _Gone()
-            self._set_forbidden(status == 403)
+            self._set_denied(status)
             if not 200 <= status < 300 or not isinstance(data, dict):
                 raise KubeApiError(status, status_reason(data), self.path)
             for obj in data.get("items") or []:
@@ -167,7 +168,7 @@ class Reflector:
         except KubeApiError as e:
             if e.status == 410:
                 raise _Gone() from e
-            self._set_forbidden(e.status == 403)
+            self._set_denied(e.status)
             raise
 
     def _apply(self, event: Mapping[str, Any]) -> None:
@@ -233,9 +234,11 @@ class Reflector:
             await asyncio.sleep(sleep)
             delay = min(delay * 2, opts.backoff_max_s)
 
-    def _set_forbidden(self, forbidden: bool) -> None:
-        if forbidden != self.forbidden:
-            self.forbidden = forbidden
+    def _set_denied(self, status: int) -> None:
+        """Track 403 (``forbidden``) and 404 (``not_found``); a change is a change."""
+        forbidden, not_found = status == 403, status == 404
+        if (forbidden, not_found) != (self.forbidden, self.not_found):
+            self.forbidden, self.not_found = forbidden, not_found
             self._on_change()
 
     def _set_error(self, error: str | None) -> None:

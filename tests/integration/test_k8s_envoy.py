@@ -218,8 +218,9 @@ async def test_traffic_follows_the_pods_the_api_server_reports(
     ports = upstreams.ports
     pods = [f"sim-{i}" for i in range(len(ports))]
 
-    def put(i: int, ready: bool = True) -> None:
-        fake.put_pod(pods[i], "127.0.0.1", labels=APP, namespace=ns, ready=ready,
+    def put(i: int, ready: bool = True, gang: str | None = None) -> None:
+        labels = APP if gang is None else {**APP, keys.LABEL_GROVE_PODGANG: gang}
+        fake.put_pod(pods[i], "127.0.0.1", labels=labels, namespace=ns, ready=ready,
                      annotations={keys.ANNOTATION_ACTIVE_PORTS: str(ports[i])})
 
     fake.put_pool("pool", APP, ports, namespace=ns)
@@ -263,6 +264,20 @@ async def test_traffic_follows_the_pods_the_api_server_reports(
         await eventually(lambda: _is_not(served_by(ports[1]), f"sim-{ports[1]}"))
         for _ in range(5):
             assert await served_by(ports[0]) in {f"sim-{ports[2]}", f"sim-{ports[3]}"}
+
+        # Pod 2 turns out to lead a Grove gang whose worker (not in the pool) is not
+        # Ready: the gang is incomplete, so pod 2 takes nothing until the worker is up.
+        fake.put_podgang("gang", {"leader": ([pods[2]], 1), "worker": (["worker-0"], 1)},
+                         namespace=ns)
+        fake.put_pod("worker-0", None, labels={keys.LABEL_GROVE_PODGANG: "gang"},
+                     namespace=ns, ready=False)
+        put(2, gang="gang")
+        await eventually(lambda: _is(served_by(ports[2]), f"sim-{ports[3]}"))
+        for _ in range(5):
+            assert await served_by(ports[2]) == f"sim-{ports[3]}"
+        fake.put_pod("worker-0", "10.9.9.9", labels={keys.LABEL_GROVE_PODGANG: "gang"},
+                     namespace=ns)
+        await eventually(lambda: _is(served_by(ports[2]), f"sim-{ports[2]}"))
 
         fake.delete("inferencepools", "pool", ns)          # pool gone: nothing to route to
         await eventually(lambda: _status_is(_post(session, url, ports[2]), 503))

@@ -1,7 +1,8 @@
 """A fake Kubernetes API server for tests: the list/watch protocol over plain HTTP.
 
 It serves what the EPP uses — Pods (namespaced), Nodes (cluster-scoped), InferencePools
-(v1 and v1alpha2 groups), Leases (GET/POST/PUT) — with the semantics that matter:
+(v1 and v1alpha2 groups), Grove PodGangs (404 when ``serve_podgangs`` is False, as
+without Grove's CRDs), Leases (GET/POST/PUT) — with the semantics that matter:
 
 - one global, increasing ``resourceVersion`` (RV); every write stamps the object;
 - LIST returns ``{"kind": …List, "metadata": {"resourceVersion"}, "items": […]}``, with
@@ -61,6 +62,7 @@ KINDS: Mapping[str, _Kind] = MappingProxyType({
     "inferencepools": _Kind("inferencepools", "InferencePool",
                             "inference.networking.k8s.io/v1", True),
     "leases": _Kind("leases", "Lease", "coordination.k8s.io/v1", True),
+    "podgangs": _Kind("podgangs", "PodGang", "scheduler.grove.io/v1alpha1", True),
 })
 
 
@@ -131,6 +133,7 @@ class FakeApiServer:
         self.bookmark_interval_s = bookmark_interval_s
         self.token = "test-token"
         self.gone_as_http = False
+        self.serve_podgangs = True  # False: Grove's CRDs are not installed (404)
         self.rv = 1
         self.floor = 0  # events at or below this RV are compacted away
         self.objects: dict[str, dict[tuple[str, str], Obj]] = {k: {} for k in KINDS}
@@ -293,6 +296,17 @@ class FakeApiServer:
                      "endpointPickerRef": {"name": epp_service, "port": {"number": 9002}}},
         })
 
+    def put_podgang(self, name: str, groups: Mapping[str, tuple[Iterable[str], int]], *,
+                    namespace: str = "default") -> Obj:
+        """A Grove PodGang: ``groups`` maps pod-group name → (pod names, minReplicas)."""
+        return self.put("podgangs", {
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {"podgroups": [
+                {"name": g, "minReplicas": m,
+                 "podReferences": [{"namespace": namespace, "name": p} for p in pods]}
+                for g, (pods, m) in groups.items()]},
+        })
+
     def put_node(self, name: str, labels: Mapping[str, str]) -> Obj:
         return self.put("nodes", {"metadata": {"name": name, "labels": dict(labels)},
                                   "status": {"images": [{"names": ["x" * 64]}] * 3}})
@@ -340,7 +354,8 @@ class FakeApiServer:
         elif len(parts) >= 3 and parts[0] == "apis":
             group, version = parts[1], parts[2]
             ok = (group == "coordination.k8s.io" and version == "v1") or \
-                POOL_GROUPS.get(group) == version
+                POOL_GROUPS.get(group) == version or \
+                (group == "scheduler.grove.io" and version == "v1alpha1" and self.serve_podgangs)
             if not ok:
                 return None
             rest = parts[3:]

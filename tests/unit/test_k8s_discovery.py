@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 
 from epp import keys
-from epp.datastore.store import Datastore
 from epp.discovery.kubeclient import KubeApi, connect
 from epp.discovery.kubernetes import (
     KubernetesOptions,
-    KubernetesSource,
     PodInfo,
     PoolSpec,
     active_ports,
@@ -30,21 +26,9 @@ from epp.discovery.kubernetes import (
 from epp.discovery.reflector import Reflector, ReflectorOptions
 from epp.errors import ConfigError
 from tests.k8s_fake import FakeApiServer
+from tests.unit.conftest import FAST, eventually
 
-FAST = ReflectorOptions(backoff_initial_s=0.02, backoff_max_s=0.1, min_healthy_watch_s=0.05)
 APP = {"app": "vllm"}
-
-
-async def eventually(check: Callable[[], Any], timeout: float = 5.0) -> Any:
-    """Poll ``check()`` (sync) until truthy; bounded in time."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s (last: {result!r})")
-        await asyncio.sleep(0.01)
 
 
 # ------------------------------------------------------------------------ pure rules
@@ -133,55 +117,6 @@ def test_endpoints_per_rank_active_ports_and_topology() -> None:
     dup = build_endpoints([_pod("y", "10.0.0.1"), _pod("x", "10.0.0.1")],
                           PoolSpec(APP, (8000,)), {})
     assert [e.name for e in dup] == ["x-rank-0"]
-
-
-# ------------------------------------------------------------------------ fake server
-@pytest_asyncio.fixture
-async def fake() -> AsyncIterator[FakeApiServer]:
-    server = FakeApiServer(bookmark_interval_s=0.1)
-    await server.start()
-    yield server
-    await server.stop()
-
-
-@pytest_asyncio.fixture
-async def api(fake: FakeApiServer, tmp_path: Path) -> AsyncIterator[KubeApi]:
-    client = await connect(str(fake.write_kubeconfig(tmp_path / "kubeconfig")))
-    yield client
-    await client.close()
-
-
-class Harness:
-    def __init__(self, api: KubeApi, **kw: Any) -> None:
-        self.store = Datastore()
-        self.state_changes = 0
-        opts = KubernetesOptions(namespace="default", debounce_s=kw.pop("debounce_s", 0.0),
-                                 reflector=kw.pop("reflector", FAST), **kw)
-        self.source = KubernetesSource(api, self.store, opts, on_state_change=self._changed)
-
-    async def _changed(self) -> None:
-        self.state_changes += 1
-
-    def keys(self) -> list[str]:
-        return sorted(e.key for e in self.store.snapshot())
-
-    def names(self) -> list[str]:
-        return sorted(e.name for e in self.store.snapshot())
-
-
-@pytest_asyncio.fixture
-async def harness(api: KubeApi) -> AsyncIterator[Callable[..., Any]]:
-    made: list[Harness] = []
-
-    async def make(**kw: Any) -> Harness:
-        h = Harness(api, **kw)
-        made.append(h)
-        await h.source.start()
-        return h
-
-    yield make
-    for h in made:
-        await h.source.stop()
 
 
 async def test_pods_becoming_ready_not_ready_and_deleted(fake: FakeApiServer,

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
 
-from epp.discovery.kubeclient import KubeApi, connect
+from epp.discovery.kubeclient import KubeApi
 from epp.errors import ConfigError
 from epp.server.leader import LeaderElectionOptions, LeaderElector, default_identity, lease_name
 from tests.k8s_fake import FakeApiServer
@@ -35,13 +34,6 @@ async def fake() -> AsyncIterator[FakeApiServer]:
     await server.start()
     yield server
     await server.stop()
-
-
-@pytest_asyncio.fixture
-async def api(fake: FakeApiServer, tmp_path: Path) -> AsyncIterator[KubeApi]:
-    client = await connect(str(fake.write_kubeconfig(tmp_path / "kubeconfig")))
-    yield client
-    await client.close()
 
 
 @pytest_asyncio.fixture

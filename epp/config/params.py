@@ -42,7 +42,8 @@ class Params:
         self._read.add(key)
         return self._raw.get(key)
 
-    def int(self, key: str, default: int, *, minimum: int | None = None) -> int:
+    def int(self, key: str, default: int, *, minimum: int | None = None,
+            maximum: int | None = None) -> int:
         v = self._get(key)
         if v is None:
             return default
@@ -50,6 +51,8 @@ class Params:
             raise ConfigError(f"{self.path}.{key}: expected an integer, got {v!r}")
         if minimum is not None and v < minimum:
             raise ConfigError(f"{self.path}.{key}: must be >= {minimum}, got {v}")
+        if maximum is not None and v > maximum:
+            raise ConfigError(f"{self.path}.{key}: must be <= {maximum}, got {v}")
         return v
 
     def float(self, key: str, default: float, *, minimum: float | None = None,

@@ -174,7 +174,7 @@ class SchedulingCore:
             if tp:
                 set_headers[keys.HEADER_TRACEPARENT] = tp
         resp_headers: dict[str, str] = {}
-        destination = ",".join(e.key for e in primary)
+        destination = result.destination()
         if record is not None:
             record["primary_profile"] = result.primary_profile
             record["destination"] = destination

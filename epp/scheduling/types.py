@@ -67,6 +67,11 @@ class Metrics:
 NO_METRICS = Metrics()
 
 
+def host_port(address: str, port: int) -> str:
+    """``address:port`` (IPv6 addresses in brackets), as Envoy's destination header wants."""
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class Endpoint:
     """One serving endpoint: a pod's target port. ``key`` is ``address:port``."""
@@ -82,8 +87,7 @@ class Endpoint:
     key: str = field(init=False)
 
     def __post_init__(self) -> None:
-        host = f"[{self.address}]" if ":" in self.address else self.address
-        object.__setattr__(self, "key", f"{host}:{self.port}")
+        object.__setattr__(self, "key", host_port(self.address, self.port))
 
     def same_identity(self, other: Endpoint) -> bool:
         """True when only metrics differ (discovery updates keep metrics of such endpoints)."""
@@ -144,13 +148,28 @@ class ProfileRunResult:
 
 @dataclass(frozen=True, slots=True)
 class SchedulingResult:
-    """Every profile's result (None = that profile filtered to nothing) and the primary."""
+    """Every profile's result (None = that profile filtered to nothing) and the primary.
+
+    ``destination_port``: send the request to each primary endpoint's address at this
+    port instead of the endpoint's own (llm-d's ``primaryPort``: a data-parallel pod's
+    sidecar, which forwards to the rank named in ``x-data-parallel-host-port``).
+    """
 
     profile_results: Mapping[str, ProfileRunResult | None]
     primary_profile: str
+    destination_port: int | None = None
 
     @property
     def primary(self) -> ProfileRunResult:
         result = self.profile_results[self.primary_profile]
         assert result is not None, "primary profile must have a result"
         return result
+
+    def destination(self) -> str:
+        """What goes in ``x-gateway-destination-endpoint``: the primary endpoints, in
+        order, comma-separated (the first is the pick, the rest fallbacks)."""
+        port = self.destination_port
+        if port is None:
+            return ",".join(e.key for e in self.primary.endpoints)
+        return ",".join(dict.fromkeys(host_port(e.address, port)
+                                      for e in self.primary.endpoints))

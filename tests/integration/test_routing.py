@@ -320,3 +320,41 @@ async def test_default_config_keeps_a_prompt_on_the_pod_that_cached_it(
         assert len(spread) >= 2
     finally:
         await stop_stack(s)
+
+
+async def test_primary_port_routes_to_the_sidecar_with_the_rank_header(
+        upstreams: Upstreams, session: aiohttp.ClientSession, tmp_path: Path) -> None:
+    """llm-d's primaryPort through real Envoy: the EPP picks a rank endpoint, Envoy sends
+    the request to that pod's primary port (here a fourth sim, standing in for the
+    data-parallel sidecar), and the sidecar gets the rank in x-data-parallel-host-port —
+    the EPP's, never the client's."""
+    ranks, sidecar = upstreams.ports[:3], upstreams.ports[3]
+    config = f"""\
+plugins:
+- type: disagg-profile-handler
+  parameters: {{deciders: {{prefill: never}}, primaryPort: {sidecar}}}
+- {{type: prefix-based-pd-decider, name: never, parameters: {{nonCachedTokens: 0}}}}
+- {{type: tests.integration.plugins:PinScorer, name: pin}}
+- type: decode-filter
+- type: max-score-picker
+schedulingProfiles:
+- name: decode
+  plugins: [{{pluginRef: decode-filter}}, {{pluginRef: pin}}, {{pluginRef: max-score-picker}}]
+"""
+    s = await start_stack("FULL_DUPLEX_STREAMED", upstreams, tmp_path, endpoint_ports=ranks,
+                          config=config)
+    try:
+        for rank in ranks + ranks[::-1]:
+            rid = uuid.uuid4().hex
+            status, h, _ = await post(session, s, completion(), headers={
+                "x-test-pin": str(rank), "x-request-id": rid,
+                "x-data-parallel-host-port": "10.6.6.6:666"})
+            assert status == 200 and h["x-sim-server"] == f"sim-{sidecar}"
+            assert await seen_by(session, upstreams, rid) == [sidecar]
+            rec = await record(session, upstreams, sidecar, rid)
+            headers = rec["headers"]
+            assert headers["x-data-parallel-host-port"] == f"127.0.0.1:{rank}"  # type: ignore[index]
+            assert headers["x-gateway-destination-endpoint"] == (  # type: ignore[index]
+                f"127.0.0.1:{sidecar}")
+    finally:
+        await stop_stack(s)

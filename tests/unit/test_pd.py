@@ -152,8 +152,48 @@ def test_config_errors() -> None:
     with pytest.raises(ConfigError, match="no scheduling profile named 'dec'"):
         build(parse_config(pd_config("{type: always-disagg-pd-decider, name: d}").replace(
             "decode: decode,", "decode: dec,"), "t"))
-    with pytest.raises(ConfigError, match="primaryPort"):
-        build(parse_config("plugins: [{type: pd-profile-handler, parameters: {primaryPort: 8000}}]", "t"))
+    with pytest.raises(ConfigError, match=r"primaryPort: must be <= 65535, got 70000"):
+        build(parse_config("plugins: [{type: pd-profile-handler, parameters: {primaryPort: 70000}}]", "t"))
+    with pytest.raises(ConfigError, match=r"primaryPort: expected an integer"):
+        build(parse_config(pd_config("{type: always-disagg-pd-decider, name: d}").replace(
+            "deciders: {prefill: d}", "deciders: {prefill: d}, primaryPort: '8000'"), "t"))
+
+
+def test_primary_port_sends_to_the_pods_primary_port_with_the_rank_header() -> None:
+    """llm-d's primaryPort: the destination is each chosen decode endpoint's address at
+    the primary port (its sidecar), and x-data-parallel-host-port names the rank picked."""
+    text = pd_config("{type: always-disagg-pd-decider, name: d}").replace(
+        "deciders: {prefill: d}", "deciders: {prefill: d}, primaryPort: 9000")
+    built = build(parse_config(text, "t"))
+    ranks = [Endpoint("p1-rank-0", "10.0.0.1", 8000, labels={"llm-d.ai/role": "decode"},
+                      metrics=Metrics(waiting_queue_size=2)),
+             Endpoint("p1-rank-1", "10.0.0.1", 8001, labels={"llm-d.ai/role": "decode"}),
+             ep(3, "prefill")]
+    result, headers = schedule(built, req(), ranks)
+    assert result.primary.endpoints[0].key == "10.0.0.1:8001"   # the emptier rank
+    assert result.destination() == "10.0.0.1:9000"
+    assert headers == {"x-data-parallel-host-port": "10.0.0.1:8001",
+                       "x-prefiller-host-port": "10.0.0.3:8000"}
+    # Legacy handler, decode-only (threshold too high to disaggregate); IPv6 address.
+    legacy = build(parse_config("""
+plugins:
+- {type: pd-profile-handler, parameters: {threshold: 100000, primaryPort: 9000}}
+- type: decode-filter
+- type: max-score-picker
+schedulingProfiles:
+- name: decode
+  plugins: [{pluginRef: decode-filter}, {pluginRef: max-score-picker}]
+- name: prefill
+  plugins: [{pluginRef: max-score-picker}]
+""", "t"))
+    v6 = Endpoint("v6", "fd00::1", 8002, labels={"llm-d.ai/role": "decode"})
+    result, headers = schedule(legacy, req(), [v6])
+    assert result.destination() == "[fd00::1]:9000"
+    assert headers == {"x-data-parallel-host-port": "[fd00::1]:8002"}
+    # Without primaryPort: the endpoint itself, no data-parallel header.
+    plain = build(parse_config(pd_config("{type: always-disagg-pd-decider, name: d}"), "t"))
+    result, headers = schedule(plain, req(), ranks)
+    assert result.destination() == "10.0.0.1:8001" and "x-data-parallel-host-port" not in headers
 
 
 def test_topology_levels_score_strongest_shared_level() -> None:

@@ -147,11 +147,12 @@ class DisaggProfileHandler:
     type_name = "disagg-profile-handler"
 
     def __init__(self, name: str, decode_profile: str = "decode", prefill_profile: str = "prefill",
-                 decider_name: str | None = None) -> None:
+                 decider_name: str | None = None, primary_port: int | None = None) -> None:
         self.name = name
         self.decode_profile = decode_profile
         self.prefill_profile = prefill_profile
         self.decider_name = decider_name
+        self.primary_port = primary_port
         self.decider: Any = None
 
     @classmethod
@@ -166,12 +167,10 @@ class DisaggProfileHandler:
         decode = params.str("decodeProfile", None) or profiles.get("decode") or "decode"
         prefill = params.str("prefillProfile", None) or profiles.get("prefill") or "prefill"
         decider = params.str("deciderPluginName", None) or deciders.get("prefill")
-        primary_port = params.int("primaryPort", 0, minimum=0)
-        if primary_port:
-            raise ConfigError(f"{params.path}.primaryPort: data-parallel primary ports are not "
-                              "supported yet; remove it")
+        primary_port = params.int("primaryPort", 0, minimum=0, maximum=65535)
         params.done()
-        return cls(name, str(decode), str(prefill), str(decider) if decider else None)
+        return cls(name, str(decode), str(prefill), str(decider) if decider else None,
+                   primary_port or None)
 
     def bind(self, handle: PluginHandle) -> None:
         if self.decider_name is None:
@@ -213,13 +212,17 @@ class DisaggProfileHandler:
         if decode is None or not decode.endpoints:
             raise NoCapacity(f"profile {self.decode_profile!r} filtered out every endpoint "
                              "(no decode endpoint)")
-        return SchedulingResult(profile_results=dict(results), primary_profile=self.decode_profile)
+        return SchedulingResult(profile_results=dict(results), primary_profile=self.decode_profile,
+                                destination_port=self.primary_port)
 
     def request_headers(self, request: LLMRequest, result: SchedulingResult) -> Mapping[str, str]:
+        out: dict[str, str] = {}
+        if self.primary_port is not None:
+            out[keys.HEADER_DATA_PARALLEL] = result.primary.endpoints[0].key
         prefill = result.profile_results.get(self.prefill_profile)
-        if prefill is None or not prefill.endpoints:
-            return {}
-        return {keys.HEADER_PREFILLER: prefill.endpoints[0].key}
+        if prefill is not None and prefill.endpoints:
+            out[keys.HEADER_PREFILLER] = prefill.endpoints[0].key
+        return out
 
     def decision(self, result: SchedulingResult) -> str:
         """'disaggregated' or 'decode-only' (for the P/D decision metric)."""
@@ -233,8 +236,8 @@ class PdProfileHandler(DisaggProfileHandler):
     type_name = "pd-profile-handler"
 
     def __init__(self, name: str, decode_profile: str, prefill_profile: str, threshold: int,
-                 prefix_plugin: str | None) -> None:
-        super().__init__(name, decode_profile, prefill_profile, None)
+                 prefix_plugin: str | None, primary_port: int | None = None) -> None:
+        super().__init__(name, decode_profile, prefill_profile, None, primary_port)
         self.threshold = threshold
         self.prefix_plugin = prefix_plugin
 
@@ -246,11 +249,9 @@ class PdProfileHandler(DisaggProfileHandler):
         prefix_name = params.str("prefixPluginName", None)
         params.str("prefixPluginType", None)  # accepted for compatibility; the type is fixed
         params.int("hashBlockSize", 64, minimum=1)  # the prefix plugin's own size is used
-        if params.int("primaryPort", 0, minimum=0):
-            raise ConfigError(f"{params.path}.primaryPort: data-parallel primary ports are not "
-                              "supported yet; remove it")
+        primary_port = params.int("primaryPort", 0, minimum=0, maximum=65535)
         params.done()
-        return cls(name, decode, prefill, threshold, prefix_name)
+        return cls(name, decode, prefill, threshold, prefix_name, primary_port or None)
 
     def bind(self, handle: PluginHandle) -> None:
         decider = _ThresholdDecider(f"{self.name}-threshold", self.threshold)

@@ -333,8 +333,10 @@ def _serve(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         await serve_forever(opts, stop)
 
+    from epp.server.loop import run as run_loop
+
     try:
-        asyncio.run(main())
+        run_loop(main())
     except (ConfigError, StartupError) as e:
         print(f"epp: error: {e}", file=sys.stderr)
         return 1

@@ -326,7 +326,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from epp.observability.logging import setup_logging
 
     setup_logging(args.log_level)
-    return asyncio.run(run_front(args))
+    from epp.server.loop import run as run_loop
+
+    return run_loop(run_front(args))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,11 @@
 """Gateway throughput: Envoy alone vs Envoy + EPP (1, 2, … workers), one run, side by side.
 
-The upstream is a second Envoy answering every request itself (direct_response), so the
-upstream costs next to nothing. "Envoy alone" is the same gateway bootstrap without the
+Three loads (``--load``, default all): ``short`` (2 KB completion bodies, a JSON answer),
+``long-prompt`` (200 KB bodies, a JSON answer) and ``sse`` (2 KB bodies, the answer
+streamed as 100 SSE events ``--sse-gap-ms`` apart, then usage and ``[DONE]``). For the
+JSON loads the upstream is a second Envoy answering every request itself
+(direct_response), so it costs next to nothing; for ``sse`` it is ``bench/sse_upstream.py``
+(aiohttp on uvloop, one write per event). "Envoy alone" is the same gateway bootstrap without the
 ext_proc filter (wrk names the upstream in the routing header). The load generator is
 wrk (Debian package `wrk`) with a Lua script POSTing an OpenAI completion body. For each
 case: req/s, p50/p99 latency (wrk), the EPP's CPU per request (from /proc of the EPP and
@@ -26,7 +30,7 @@ from pathlib import Path
 
 import orjson
 
-from epp.stack.envoy import EnvoyProcess, render_envoy_config, without_ext_proc
+from epp.stack.envoy import RESPONSE_PATHS, EnvoyProcess, render_envoy_config, without_ext_proc
 from epp.stack.procs import ManagedProcess, free_port, wait_port
 
 UPSTREAM_YAML = """\
@@ -59,6 +63,8 @@ static_resources:
             typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}
 """
 
+MAX_BODY = 4 << 20  # Envoy's buffer limit and the EPP's body limit: the 200 KB load fits
+
 LUA = """\
 wrk.method = "POST"
 wrk.headers["content-type"] = "application/json"
@@ -67,8 +73,25 @@ wrk.body = io.open("%(body)s", "rb"):read("*a")
 """
 
 
+@dataclass(frozen=True)
+class Load:
+    """One workload: request body size and the upstream's answer."""
+
+    name: str
+    body_bytes: int
+    sse_events: int = 0  # 0: a JSON completion from Envoy's direct_response
+
+
+LOADS = {
+    "short": Load("short", 2048),
+    "long-prompt": Load("long-prompt", 200_000),
+    "sse": Load("sse", 2048, sse_events=100),
+}
+
+
 @dataclass
 class Row:
+    load: str
     case: str
     concurrency: int
     rps: float
@@ -133,48 +156,72 @@ async def main_async(args: argparse.Namespace) -> list[Row]:
     if shutil.which("wrk") is None:
         sys.exit("wrk not found: apt-get install wrk")
     work = Path(tempfile.mkdtemp(prefix="epp-tput-"))
+    rows: list[Row] = []
+    for name in args.load:
+        rows += await _load_rows(args, LOADS[name], work / name)
+    return rows
+
+
+async def _load_rows(args: argparse.Namespace, load: Load, work: Path) -> list[Row]:
+    """Envoy alone, then Envoy + EPP per worker count, per concurrency, for one load."""
+    work.mkdir(parents=True)
     up_port = free_port()
     body = work / "body.json"
-    body.write_bytes(orjson.dumps({"model": "m", "max_tokens": 1,
-                                   "prompt": "x" * max(1, args.body_bytes - 40)}))
+    body.write_bytes(orjson.dumps({"model": "m", "max_tokens": 1, "stream": load.sse_events > 0,
+                                   "prompt": "x" * max(1, load.body_bytes - 60)}))
     direct_lua, epp_lua = work / "direct.lua", work / "epp.lua"
     direct_lua.write_text(LUA % {"body": body, "extra":
                                  f'wrk.headers["x-gateway-destination-endpoint"] = "127.0.0.1:{up_port}"'})
     epp_lua.write_text(LUA % {"body": body, "extra": ""})
-    upstream = EnvoyProcess()
-    envoys: list[EnvoyProcess] = [upstream]
+    envoys: list[EnvoyProcess] = []
+    sse: ManagedProcess | None = None
     rows: list[Row] = []
     try:
-        await upstream.start(UPSTREAM_YAML % {"port": up_port, "admin": free_port()},
-                             work / "upstream", concurrency=1)
-        await upstream.wait_ready()
+        if load.sse_events:
+            sse = ManagedProcess([sys.executable, "-m", "bench.sse_upstream", "--port",
+                                  str(up_port), "--events", str(load.sse_events),
+                                  "--gap-ms", str(args.sse_gap_ms)],
+                                 log_path=work / "sse-upstream.log")
+            await sse.start()
+            await wait_port("127.0.0.1", up_port, 30)
+        else:
+            upstream = EnvoyProcess()
+            envoys.append(upstream)
+            await upstream.start(UPSTREAM_YAML % {"port": up_port, "admin": free_port()},
+                                 work / "upstream", concurrency=1)
+            await upstream.wait_ready()
         direct = EnvoyProcess()
         envoys.append(direct)
         gw_direct = free_port()
         await direct.start(without_ext_proc(render_envoy_config(
-            listen_port=gw_direct, epp_port=1, admin_port=free_port())), work / "direct",
-            concurrency=args.envoy_workers)
+            listen_port=gw_direct, epp_port=1, admin_port=free_port(),
+            max_body_bytes=MAX_BODY)), work / "direct", concurrency=args.envoy_workers)
         await direct.wait_ready()
         url_direct = f"http://127.0.0.1:{gw_direct}/v1/completions"
         for conc in args.concurrency:
             await run_wrk(url_direct, direct_lua, conc, args.warmup)
             rps, p50, p99, errs, _ = await run_wrk(url_direct, direct_lua, conc, args.duration)
-            rows.append(Row("Envoy alone", conc, rps, p50, p99, errs, None))
-            for workers in args.workers:
-                rows.append(await _epp_case(args, work, up_port, epp_lua, conc, workers))
+            rows.append(Row(load.name, "Envoy alone", conc, rps, p50, p99, errs, None))
+            for path in args.response_path:
+                for workers in args.workers:
+                    rows.append(await _epp_case(args, load, work, up_port, epp_lua, conc,
+                                                workers, path))
     finally:
         for e in envoys:
             await e.stop()
+        if sse is not None:
+            await sse.stop()
     return rows
 
 
-async def _epp_case(args: argparse.Namespace, work: Path, up_port: int, lua: Path, conc: int,
-                    workers: int) -> Row:
+async def _epp_case(args: argparse.Namespace, load: Load, work: Path, up_port: int, lua: Path,
+                    conc: int, workers: int, path: str) -> Row:
     grpc_port = free_port()
     argv = [sys.executable, "-m", "epp.cli", "serve", "--bind-address", "127.0.0.1",
             "--grpc-port", str(grpc_port), "--grpc-health-port", str(free_port()),
             "--metrics-port", str(free_port()), "--log-level", "warning",
-            "--endpoints", f"127.0.0.1:{up_port}", "--no-metrics-scraping"]
+            "--endpoints", f"127.0.0.1:{up_port}", "--no-metrics-scraping",
+            "--max-request-body-bytes", str(MAX_BODY)]
     if workers != 1:
         argv += ["--workers", str(workers)]
     epp = ManagedProcess(argv, log_path=work / f"epp-{workers}-{conc}.log")
@@ -184,8 +231,9 @@ async def _epp_case(args: argparse.Namespace, work: Path, up_port: int, lua: Pat
         await wait_port("127.0.0.1", grpc_port, 30)
         port = free_port()
         await gw.start(render_envoy_config(listen_port=port, epp_port=grpc_port,
-                                           admin_port=free_port(), body_mode=args.body_mode),
-                       work / f"gw-{workers}-{conc}", concurrency=args.envoy_workers)
+                                           admin_port=free_port(), body_mode=args.body_mode,
+                                           max_body_bytes=MAX_BODY, response_path=path),
+                       work / f"gw-{workers}-{conc}-{path}", concurrency=args.envoy_workers)
         await gw.wait_ready()
         url = f"http://127.0.0.1:{port}/v1/completions"
         await run_wrk(url, lua, conc, args.warmup)
@@ -203,8 +251,9 @@ async def _epp_case(args: argparse.Namespace, work: Path, up_port: int, lua: Pat
         cpu = _cpu_seconds(pids) - c0
         if spy is not None:
             await spy.wait()
-        label = f"Envoy + EPP ({workers} worker{'s' if workers != 1 else ''})"
-        return Row(label, conc, rps, p50, p99, errs, 1e6 * cpu / total if total else None)
+        label = f"Envoy + EPP ({workers} worker{'s' if workers != 1 else ''}, {path})"
+        return Row(load.name, label, conc, rps, p50, p99, errs,
+                   1e6 * cpu / total if total else None)
     finally:
         await gw.stop()
         await epp.stop()
@@ -217,7 +266,16 @@ def main() -> None:
     ap.add_argument("--warmup", type=float, default=2.0)
     ap.add_argument("--concurrency", type=int, action="append")
     ap.add_argument("--workers", type=int, action="append")
-    ap.add_argument("--body-bytes", type=int, default=2048)
+    ap.add_argument("--load", action="append", choices=list(LOADS),
+                    help="workloads (repeatable; default all): short = 2 KB body, JSON "
+                    "answer; long-prompt = 200 KB body; sse = 2 KB body, answer streamed "
+                    "as 100 SSE events")
+    ap.add_argument("--response-path", action="append", choices=list(RESPONSE_PATHS),
+                    help="the gateway's response path (repeatable; default both): inline = "
+                    "one ext_proc filter, every response chunk through the EPP and back; "
+                    "observer = routing filter + observability-mode filter")
+    ap.add_argument("--sse-gap-ms", type=float, default=1.0,
+                    help="gap between the sse load's events (default 1 ms)")
     ap.add_argument("--envoy-workers", type=int, default=2)
     ap.add_argument("--body-mode", default="FULL_DUPLEX_STREAMED",
                     choices=["FULL_DUPLEX_STREAMED", "BUFFERED"])
@@ -228,18 +286,21 @@ def main() -> None:
     args = ap.parse_args()
     args.concurrency = args.concurrency or [16, 64]
     args.workers = args.workers or [1]
+    args.load = args.load or list(LOADS)
+    args.response_path = args.response_path or list(RESPONSE_PATHS)
     if args.smoke:
         args.duration, args.warmup, args.concurrency = 1.0, 0.5, [8]
     rows = asyncio.run(main_async(args))
-    print(f"# body {args.body_bytes} B, Envoy {args.envoy_workers} workers, {args.body_mode}, "
-          f"{args.duration:g}s per case after {args.warmup:g}s warm-up")
-    print("| case | conc | req/s | p50 ms | p99 ms | errors | EPP CPU µs/req | ratio |")
-    print("|---|---|---|---|---|---|---|---|")
-    alone = {r.concurrency: r.rps for r in rows if r.case == "Envoy alone"}
+    print(f"# Envoy {args.envoy_workers} workers, {args.body_mode}, {args.duration:g}s per case "
+          f"after {args.warmup:g}s warm-up; sse events {args.sse_gap_ms:g} ms apart")
+    print("| load | case | conc | req/s | p50 ms | p99 ms | errors | EPP CPU µs/req | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    alone = {(r.load, r.concurrency): r.rps for r in rows if r.case == "Envoy alone"}
     for r in rows:
         cpu = "-" if r.epp_cpu_us is None else f"{r.epp_cpu_us:.0f}"
-        print(f"| {r.case} | {r.concurrency} | {r.rps:.0f} | {r.p50_ms:.2f} | {r.p99_ms:.2f} | "
-              f"{r.errors} | {cpu} | {r.rps / alone[r.concurrency]:.2f} |")
+        print(f"| {r.load} | {r.case} | {r.concurrency} | {r.rps:.0f} | {r.p50_ms:.2f} | "
+              f"{r.p99_ms:.2f} | {r.errors} | {cpu} | "
+              f"{r.rps / alone[(r.load, r.concurrency)]:.2f} |")
     if args.json:
         Path(args.json).write_text(json.dumps([r.__dict__ for r in rows], indent=1))
 

@@ -26,7 +26,14 @@ HEADER_PREFILLER: Final = "x-prefiller-host-port"
 # llm-d's data-parallel header: the rank endpoint chosen, when the disagg handlers'
 # ``primaryPort`` sends the request to the pod's primary port (its sidecar) instead.
 HEADER_DATA_PARALLEL: Final = "x-data-parallel-host-port"
-ROUTING_HEADERS: Final = (HEADER_DESTINATION, HEADER_PREFILLER, HEADER_DATA_PARALLEL)
+# Split response path (docs/architecture.md "Response observer"): the routing filter's
+# gRPC initial metadata says responses come on a separate observability-mode stream; the
+# EPP tags the routed request with a one-time token header the observer stream carries.
+GRPC_MD_RESPONSE_PATH: Final = "x-epp-response-path"
+RESPONSE_PATH_OBSERVER: Final = "observer"
+HEADER_OBSERVE_TOKEN: Final = "x-epp-observe"
+ROUTING_HEADERS: Final = (HEADER_DESTINATION, HEADER_PREFILLER, HEADER_DATA_PARALLEL,
+                          HEADER_OBSERVE_TOKEN)
 
 # --- Dynamic metadata ---
 METADATA_NAMESPACE_LB: Final = "envoy.lb"

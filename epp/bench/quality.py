@@ -64,30 +64,38 @@ TARGET_TTFT_P90_VS_RR_SHARED_PREFIX: Final = 0.75
 # ----------------------------------------------------------------- routers
 
 
+#: Not in the default set: the EPP behind Envoy with the split response path (a routing
+#: filter plus an observability-mode filter; docs/architecture.md "Response observer").
+EPP_OBSERVER: Final = "epp-observer"
+
+
 @dataclass(frozen=True, slots=True)
 class RouterSpec:
     kind: str
     label: str
     config: str | None = None
+    response_path: str = "inline"
 
 
 def parse_routers(text: str, config: str | None) -> list[RouterSpec]:
     """``epp,round-robin,random,sglang``; ``epp=FILE`` adds an EPP with that config
-    (labelled ``epp:<file stem>``), so configs can be compared in one run."""
+    (labelled ``epp:<file stem>``), so configs can be compared in one run;
+    ``epp-observer[=FILE]`` is the EPP behind the split response path."""
     out: list[RouterSpec] = []
     for item in (t.strip() for t in text.split(",")):
         if not item:
             continue
         kind, _, path = item.partition("=")
-        if kind not in ROUTERS:
+        if kind not in ROUTERS and kind != EPP_OBSERVER:
             raise ValueError(f"unknown router {kind!r}; expected {', '.join(ROUTERS)} "
-                             "(or epp=CONFIG_FILE)")
-        if path and kind != "epp":
+                             f"(or epp=CONFIG_FILE, {EPP_OBSERVER}[=CONFIG_FILE])")
+        if path and kind not in ("epp", EPP_OBSERVER):
             raise ValueError(f"only epp takes a config file, got {item!r}")
-        if kind == "epp":
+        if kind in ("epp", EPP_OBSERVER):
             cfg = path or config
-            label = f"epp:{Path(path).stem}" if path else "epp"
-            out.append(RouterSpec("epp", label, str(Path(cfg).resolve()) if cfg else None))
+            label = f"{kind}:{Path(path).stem}" if path else kind
+            out.append(RouterSpec("epp", label, str(Path(cfg).resolve()) if cfg else None,
+                                  "observer" if kind == EPP_OBSERVER else "inline"))
         else:
             out.append(RouterSpec(kind, kind))
     labels = [r.label for r in out]
@@ -191,7 +199,8 @@ class Stack:
             await epp.start()
             await wait_port("127.0.0.1", grpc_port, timeout=30)
             await self._envoy(render_envoy_config(listen_port=gw, epp_port=grpc_port,
-                                                  admin_port=free_port()))
+                                                  admin_port=free_port(),
+                                                  response_path=self.spec.response_path))
             # Let the scraper see every pod once (cache_config_info for autoTune).
             await asyncio.sleep(1.0)
         elif kind == "round-robin":
@@ -754,7 +763,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-requests", type=int, default=None,
                    help="cap on requests per router (default: the trace's length)")
     p.add_argument("--routers", default=",".join(ROUTERS),
-                   help="comma-separated: epp, round-robin, random, sglang, epp=CONFIG "
+                   help="comma-separated: epp, round-robin, random, sglang, epp=CONFIG, "
+                   "epp-observer[=CONFIG] (the split response path) "
                    f"(default {','.join(ROUTERS)})")
     p.add_argument("--config", help="EndpointPickerConfig for the `epp` router "
                    "(default: built-in)")

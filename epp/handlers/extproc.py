@@ -19,7 +19,9 @@ over after it: a stream never crashes.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 import grpc
@@ -70,15 +72,21 @@ def _subset_hint(msg: pb.ProcessingRequest) -> list[str] | None:
     return []
 
 
-def routing_mutation(routing: Routing, content_length: int | None = None) -> pb.HeaderMutation:
-    """Set the destination (overwriting any client value) and remove unset routing headers."""
+def routing_mutation(routing: Routing, content_length: int | None = None,
+                     token: str | None = None) -> pb.HeaderMutation:
+    """Set the destination (overwriting any client value) and remove unset routing headers.
+
+    ``token``: the response observer's token (split response path), set as a header."""
     sets = [_set_header(keys.HEADER_DESTINATION, routing.destination)]
     for k, v in routing.set_headers.items():
         sets.append(_set_header(k, v))
     if content_length is not None:
         sets.append(_set_header(keys.HEADER_CONTENT_LENGTH, str(content_length)))
+    if token is not None:
+        sets.append(_set_header(keys.HEADER_OBSERVE_TOKEN, token))
     removes = [h for h in keys.ROUTING_HEADERS
-               if h != keys.HEADER_DESTINATION and h not in routing.set_headers]
+               if h != keys.HEADER_DESTINATION and h not in routing.set_headers
+               and (token is None or h != keys.HEADER_OBSERVE_TOKEN)]
     return pb.HeaderMutation(set_headers=sets, remove_headers=removes)
 
 
@@ -127,11 +135,15 @@ class ExtProcStream:
 
     __slots__ = ("_director", "_max_body", "_duplex", "_resp_duplex", "_headers", "_subset",
                  "_chunks", "_size", "_routed", "_routing", "closed", "_done_reported",
-                 "_trailers_pending", "_resp_len", "_resp_seen", "_aborted")
+                 "_trailers_pending", "_resp_len", "_resp_seen", "_aborted", "token")
 
-    def __init__(self, director: RequestDirector, max_body_bytes: int) -> None:
+    def __init__(self, director: RequestDirector, max_body_bytes: int,
+                 token: str | None = None) -> None:
+        """``token``: the response comes on a separate observer stream that will carry
+        this token (split response path); it is set on the routed request."""
         self._director = director
         self._max_body = max_body_bytes
+        self.token = token
         self._duplex = False
         self._resp_duplex = False
         self._headers: dict[str, str] = {}
@@ -223,6 +235,11 @@ class ExtProcStream:
         self._chunks = []
         return body
 
+    @property
+    def routed(self) -> bool:
+        """A routing decision was made (the request was not rejected before it)."""
+        return self._routed
+
     async def _route(self, body: bytes, has_body: bool) -> Routing:
         routing = await self._director.route(self._headers, body, has_body, self._subset)
         self._routing = routing
@@ -233,7 +250,7 @@ class ExtProcStream:
                           content_length: int | None = None) -> pb.ProcessingResponse:
         return pb.ProcessingResponse(
             request_headers=pb.HeadersResponse(response=pb.CommonResponse(
-                header_mutation=routing_mutation(routing, content_length),
+                header_mutation=routing_mutation(routing, content_length, self.token),
                 clear_route_cache=True)),
             dynamic_metadata=routing_metadata(routing.destination),
         )
@@ -249,10 +266,11 @@ class ExtProcStream:
         routing = await self._route(body, has_body=True)
         common = pb.CommonResponse(clear_route_cache=True)
         if routing.body is not None:
-            common.header_mutation.CopyFrom(routing_mutation(routing, len(routing.body)))
+            common.header_mutation.CopyFrom(routing_mutation(routing, len(routing.body),
+                                                             self.token))
             common.body_mutation.body = routing.body
         else:
-            common.header_mutation.CopyFrom(routing_mutation(routing))
+            common.header_mutation.CopyFrom(routing_mutation(routing, token=self.token))
         return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=common),
                                       dynamic_metadata=routing_metadata(routing.destination))]
 
@@ -359,29 +377,123 @@ class ExtProcStream:
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
-    """Binds :class:`ExtProcStream` to grpc.aio bidirectional streams."""
+    """Binds :class:`ExtProcStream` to grpc.aio bidirectional streams.
+
+    Split response path: a stream whose gRPC metadata has ``x-epp-response-path:
+    observer`` routes only; its request is tagged with a one-time token header, and the
+    response arrives on another stream, from an ext_proc filter in observability mode
+    (no replies: the response never waits for the EPP). That stream's first message (the
+    request headers, token included) attaches it to the routed request; its response
+    messages then drive the same state (usage, completion). If no observer stream
+    attaches within ``observer_grace_s`` after the routing stream ended, the request
+    counts as aborted (so in-flight counts never leak).
+    """
 
     def __init__(self, director: RequestDirector, max_body_bytes: int,
-                 on_stream_end: Callable[[str], None] | None = None) -> None:
+                 on_stream_end: Callable[[str], None] | None = None,
+                 observer_grace_s: float = 5.0) -> None:
         self._director = director
         self._max_body = max_body_bytes
         self._on_stream_end = on_stream_end
+        self._observer_grace_s = observer_grace_s
+        # token -> routed stream whose observer has not attached yet
+        self._awaiting: dict[str, ExtProcStream] = {}
+        self._warned_no_observer = False
+        self._warned_dropped_headers = False
 
     async def Process(  # noqa: N802 (gRPC method name)
         self,
         request_iterator: AsyncIterator[pb.ProcessingRequest],
         context: grpc.aio.ServicerContext[pb.ProcessingRequest, pb.ProcessingResponse],
     ) -> AsyncIterator[pb.ProcessingResponse]:
-        stream = ExtProcStream(self._director, self._max_body)
+        token = os.urandom(12).hex() if _split_requested(context) else None
+        stream: ExtProcStream | None = ExtProcStream(self._director, self._max_body, token)
         clean = False
         try:
             async for msg in request_iterator:
-                for resp in await stream.handle(msg):
+                if msg.observability_mode:
+                    stream = None
+                    await self._observe(msg, request_iterator)
+                    return
+                assert stream is not None
+                out = await stream.handle(msg)
+                if token is not None and stream.routed and token not in self._awaiting \
+                        and not stream.closed:
+                    self._awaiting[token] = stream  # before Envoy sees the routing answer
+                    token = None
+                for resp in out:
                     yield resp
                 if stream.closed:
                     return
             clean = True
         finally:
-            outcome = stream.finish(clean)
-            if self._on_stream_end is not None:
-                self._on_stream_end(outcome)
+            if stream is not None:
+                self._end(stream, clean)
+
+    def _end(self, stream: ExtProcStream, clean: bool) -> None:
+        if stream.token is not None and stream.routed and not stream.closed:
+            # Split path: the observer stream (attached or still to come) owns the end.
+            if stream.token in self._awaiting:
+                asyncio.get_running_loop().call_later(
+                    self._observer_grace_s, self._observer_missing, stream.token)
+            return
+        self._outcome(stream.finish(clean))
+
+    def _outcome(self, outcome: str) -> None:
+        if self._on_stream_end is not None:
+            self._on_stream_end(outcome)
+
+    def _observer_missing(self, token: str) -> None:
+        stream = self._awaiting.pop(token, None)
+        if stream is None:
+            return
+        if not self._warned_no_observer:
+            self._warned_no_observer = True
+            log.warning("no response observer stream arrived within %.1fs of a routed "
+                        "request (x-epp-response-path: observer): is the observability-mode "
+                        "ext_proc filter configured after the routing one? Counting such "
+                        "requests as aborted", self._observer_grace_s)
+        self._outcome(stream.finish(False))
+
+    async def _observe(self, first: pb.ProcessingRequest,
+                       request_iterator: AsyncIterator[pb.ProcessingRequest]) -> None:
+        """An observability-mode stream: attach to the routed request by its token, feed
+        it the response, end it. Nothing is sent back (Envoy expects nothing)."""
+        target = None
+        if first.WhichOneof("request") == "request_headers":
+            for h in first.request_headers.headers.headers:
+                if h.key == keys.HEADER_OBSERVE_TOKEN:
+                    target = self._awaiting.pop(h.raw_value.decode("ascii", "replace") if
+                                                h.raw_value else h.value, None)
+                    break
+        if target is None:
+            # Not routed by this EPP (rejected, or routed by another replica): drain.
+            async for _ in request_iterator:
+                pass
+            return
+        clean = False
+        try:
+            async for msg in request_iterator:
+                kind = msg.WhichOneof("request")
+                if kind not in _RESPONSE_KINDS:
+                    continue
+                out = await target.handle(msg)
+                if kind == "response_headers" and not self._warned_dropped_headers and out \
+                        and out[0].response_headers.response.HasField("header_mutation"):
+                    self._warned_dropped_headers = True
+                    log.warning("response headers set by plugins (e.g. a session token, "
+                                "x-epp-explain) cannot reach clients on the split response "
+                                "path (the observer cannot change the response)")
+            clean = True
+        finally:
+            self._outcome(target.finish(clean))
+
+
+_RESPONSE_KINDS = frozenset({"response_headers", "response_body", "response_trailers"})
+
+
+def _split_requested(context: Any) -> bool:
+    for key, value in context.invocation_metadata() or ():
+        if key == keys.GRPC_MD_RESPONSE_PATH:
+            return bool(value == keys.RESPONSE_PATH_OBSERVER)
+    return False

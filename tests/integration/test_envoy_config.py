@@ -97,6 +97,35 @@ def test_rendered_config_passes_envoy_validate(body_mode: str, tmp_path: Path) -
     assert "OK" in result.stdout + result.stderr
 
 
+@pytest.mark.parametrize("body_mode", BODY_MODES)
+def test_observer_response_path_renders_two_filters_envoy_accepts(body_mode: str,
+                                                                   tmp_path: Path) -> None:
+    config = render_envoy_config(listen_port=1001, epp_port=1002, admin_port=1003,
+                                 body_mode=body_mode, response_path="observer")
+    hcm = yaml.safe_load(config)["static_resources"]["listeners"][0]["filter_chains"][0][
+        "filters"][0]["typed_config"]
+    names = [f["name"] for f in hcm["http_filters"]]
+    assert names == ["envoy.filters.http.ext_proc"] * 2 + ["envoy.filters.http.router"]
+    route, observe = (f["typed_config"] for f in hcm["http_filters"][:2])
+    assert route["grpc_service"]["initial_metadata"] == [
+        {"key": "x-epp-response-path", "value": "observer"}]
+    assert route["processing_mode"]["request_body_mode"] == body_mode
+    assert (route["processing_mode"]["response_header_mode"],
+            route["processing_mode"]["response_body_mode"],
+            route["processing_mode"]["response_trailer_mode"]) == ("SKIP", "NONE", "SKIP")
+    assert observe["observability_mode"] is True and "initial_metadata" not in \
+        observe["grpc_service"]
+    assert observe["processing_mode"]["request_header_mode"] == "SEND"
+    path = tmp_path / "envoy.yaml"
+    path.write_text(config)
+    result = subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
+        check=False, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    with pytest.raises(ValueError, match="response_path"):
+        render_envoy_config(listen_port=1, epp_port=2, admin_port=3, response_path="both")
+
+
 def test_unknown_body_mode_is_rejected() -> None:
     with pytest.raises(ValueError, match="body_mode"):
         render_envoy_config(listen_port=1, epp_port=2, admin_port=3, body_mode="STREAMED")

@@ -358,3 +358,45 @@ schedulingProfiles:
                 f"127.0.0.1:{sidecar}")
     finally:
         await stop_stack(s)
+
+
+async def test_observer_response_path_through_envoy(
+        upstreams: Upstreams, session: aiohttp.ClientSession, tmp_path: Path) -> None:
+    """The split response path with real Envoy: routing filter + observability-mode filter.
+    Requests are routed as before, the response reaches the EPP through the observer (usage
+    counted, every request completed, nothing left in flight), and a forged token never
+    reaches the upstream."""
+    s = await start_stack("FULL_DUPLEX_STREAMED", upstreams, tmp_path, response_path="observer")
+    try:
+        a = upstreams.ports[0]
+        out_before = await s.epp.metric(session, "inference_objective_output_tokens_sum")
+        rid = uuid.uuid4().hex
+        status, h, body = await post(session, s, completion(max_tokens=7), headers={
+            "x-test-pin": str(a), "x-request-id": rid, "x-epp-observe": "forged"})
+        assert status == 200 and h["x-sim-server"] == f"sim-{a}"
+        assert orjson.loads(body)["usage"]["completion_tokens"] == 7
+        token = (await record(session, upstreams, a, rid))["headers"]["x-epp-observe"]  # type: ignore[index]
+        assert token != "forged" and len(token) == 24
+        # A streamed chat completion: events arrive, usage is counted from the observer.
+        req = orjson.dumps({"model": "sim-model", "stream": True, "max_tokens": 20,
+                            "stream_options": {"include_usage": True},
+                            "messages": [{"role": "user", "content": "tell me a story"}]})
+        async with session.post(s.url + "/v1/chat/completions", data=req,
+                                headers={"content-type": "application/json"}) as r:
+            assert r.status == 200
+            text = (await r.read()).decode()
+        assert text.rstrip().endswith("data: [DONE]")
+        # Several concurrent requests, then: all completed, none in flight.
+        results = await asyncio.gather(*(post(session, s, completion(f"p{i}"))
+                                         for i in range(12)))
+        assert all(st == 200 for st, _, _ in results)
+
+        async def settled() -> bool:
+            out = await s.epp.metric(session, "inference_objective_output_tokens_sum")
+            done = await s.epp.metric(session, 'epp_extproc_streams_total{outcome="completed"}')
+            running = await s.epp.metric(session, "inference_objective_running_requests")
+            return out - out_before == 7 + 20 + 12 * 4 and done >= 14 and running == 0
+        await eventually(settled, timeout=10)
+        assert await s.epp.metric(session, 'epp_extproc_streams_total{outcome="aborted"}') == 0
+    finally:
+        await stop_stack(s)

@@ -1,4 +1,5 @@
-"""The throughput benchmark's smoke mode: every case runs and serves without errors."""
+"""The throughput benchmark's smoke mode: every load and case runs and serves without
+errors."""
 
 from __future__ import annotations
 
@@ -18,12 +19,14 @@ def test_throughput_bench_smoke(tmp_path: Path) -> None:
     out = tmp_path / "rows.json"
     r = subprocess.run([sys.executable, "-m", "bench.throughput", "--smoke", "--workers", "1",
                         "--workers", "2", "--json", str(out)],
-                       capture_output=True, text=True, timeout=180, cwd=ROOT)
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = json.loads(out.read_text())
-    assert [row["case"] for row in rows] == [
-        "Envoy alone", "Envoy + EPP (1 worker)", "Envoy + EPP (2 workers)"]
+    cases = ["Envoy alone"] + [f"Envoy + EPP ({w}, {p})" for p in ("inline", "observer")
+                               for w in ("1 worker", "2 workers")]
+    assert [(row["load"], row["case"]) for row in rows] == [
+        (load, case) for load in ("short", "long-prompt", "sse") for case in cases]
     for row in rows:
         assert row["rps"] > 0 and row["errors"] == 0, row
-    assert all(row["epp_cpu_us"] > 0 for row in rows[1:])
+    assert all(row["epp_cpu_us"] > 0 for row in rows if row["case"] != "Envoy alone")
     assert "| ratio |" in r.stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Mapping, Sequence
 
 import orjson
@@ -11,8 +12,8 @@ from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import Proces
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf.struct_pb2 import Struct
 
-from epp.errors import BadRequest, NoCapacity
-from epp.handlers.extproc import MAX_CHUNK_BYTES, ExtProcStream
+from epp.errors import BadRequest, EppError, NoCapacity
+from epp.handlers.extproc import MAX_CHUNK_BYTES, ExtProcServicer, ExtProcStream
 from epp.handlers.protocol import Routing
 
 FD = ProcessingMode.FULL_DUPLEX_STREAMED
@@ -282,3 +283,155 @@ async def test_clean_end_with_partial_body_is_aborted() -> None:
     await s.handle(pb.ProcessingRequest(response_body=pb.HttpBody(body=b"hello")))
     assert s.finish(clean=True) == "aborted"
     assert [c for c in d.calls if c[0] == "done"] == [("done", "ctx", True)]
+
+
+# ------------------------------------------------------------ split response path
+class FakeContext:
+    def __init__(self, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+        self.metadata = metadata
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self.metadata
+
+
+SPLIT = FakeContext((("x-epp-response-path", "observer"),))
+
+
+class Feed:
+    """An async request iterator the test feeds message by message."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[pb.ProcessingRequest | None] = asyncio.Queue()
+
+    def put(self, *msgs: pb.ProcessingRequest | None) -> None:
+        for m in msgs:
+            self.queue.put_nowait(m)
+
+    def __aiter__(self) -> "Feed":
+        return self
+
+    async def __anext__(self) -> pb.ProcessingRequest:
+        m = await self.queue.get()
+        if m is None:
+            raise StopAsyncIteration
+        return m
+
+
+async def drive(servicer: Any, feed: Feed, context: Any) -> list[pb.ProcessingResponse]:
+    return [r async for r in servicer.Process(feed, context)]
+
+
+def observed(msg: pb.ProcessingRequest) -> pb.ProcessingRequest:
+    msg.observability_mode = True
+    return msg
+
+
+def resp_headers_msg(status: int = 200, eos: bool = False) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=HeaderMap(headers=[
+        HeaderValue(key=":status", raw_value=str(status).encode())]), end_of_stream=eos))
+
+
+def resp_body_msg(data: bytes, eos: bool) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(response_body=pb.HttpBody(body=data, end_of_stream=eos))
+
+
+async def test_split_path_routes_with_a_token_and_the_observer_completes_the_request() -> None:
+    d = FakeDirector()
+    outcomes: list[str] = []
+    svc = ExtProcServicer(d, 1 << 20, on_stream_end=outcomes.append)
+    route = Feed()
+    route.put(headers_msg(FD, resp_mode=ProcessingMode.NONE), body_msg(BODY, True))
+    task = asyncio.create_task(drive(svc, route, SPLIT))
+    while not svc._awaiting:  # routed: waiting for its observer
+        await asyncio.sleep(0)
+    token = next(iter(svc._awaiting))
+    route.put(None)  # Envoy ends the routing stream: the request is not over
+    answers = await task
+    hdrs = header_map(answers[0], "request_headers")
+    assert hdrs["x-epp-observe"] == token and hdrs["x-gateway-destination-endpoint"] == "10.0.0.1:8000"
+    assert "x-epp-observe" not in answers[0].request_headers.response.header_mutation.remove_headers
+    assert outcomes == [] and not any(c[0] == "done" for c in d.calls)
+    # The observer stream: request headers (with the token), then the response.
+    obs = Feed()
+    obs.put(observed(headers_msg(FD, extra={"x-epp-observe": token})),
+            observed(resp_headers_msg()), observed(resp_body_msg(b'{"usage": {}}', False)),
+            observed(resp_body_msg(b"", True)), None)
+    assert await drive(svc, obs, FakeContext()) == []  # nothing is sent back
+    assert [c[0] for c in d.calls] == ["route", "resp_headers", "resp_body", "resp_body", "done"]
+    assert d.calls[-1] == ("done", "ctx", False) and outcomes == ["completed"]
+    assert svc._awaiting == {}
+
+
+async def test_split_path_without_an_observer_counts_the_request_aborted(
+        caplog: pytest.LogCaptureFixture) -> None:
+    d = FakeDirector()
+    outcomes: list[str] = []
+    svc = ExtProcServicer(d, 1 << 20, on_stream_end=outcomes.append, observer_grace_s=0.05)
+    route = Feed()
+    route.put(headers_msg(FD, resp_mode=ProcessingMode.NONE), body_msg(BODY, True), None)
+    await drive(svc, route, SPLIT)
+    assert outcomes == []
+    await asyncio.sleep(0.1)
+    assert outcomes == ["aborted"] and d.calls[-1] == ("done", "ctx", True)
+    assert "no response observer stream arrived" in caplog.text
+    # An observer with an unknown (or forged) token is drained and changes nothing.
+    obs = Feed()
+    obs.put(observed(headers_msg(FD, extra={"x-epp-observe": "forged"})),
+            observed(resp_body_msg(b"", True)), None)
+    assert await drive(svc, obs, FakeContext()) == [] and outcomes == ["aborted"]
+
+
+async def test_split_path_rejection_and_observer_abort() -> None:
+    outcomes: list[str] = []
+    # Rejected before routing: no token is registered, the stream ends as usual.
+    svc = ExtProcServicer(FakeDirector(error=EppError("nope", status=429)), 1 << 20,
+                          on_stream_end=outcomes.append)
+    route = Feed()
+    route.put(headers_msg(FD), body_msg(BODY, True), None)
+    answers = await drive(svc, route, SPLIT)
+    assert answers[0].HasField("immediate_response") and outcomes == ["rejected"]
+    assert svc._awaiting == {}
+    # The observer stream closes before the response ended (client gone): aborted.
+    d = FakeDirector()
+    svc = ExtProcServicer(d, 1 << 20, on_stream_end=outcomes.append)
+    route = Feed()
+    route.put(headers_msg(FD), body_msg(BODY, True), None)
+    await drive(svc, route, SPLIT)
+    token = next(iter(svc._awaiting))
+    obs = Feed()
+    obs.put(observed(headers_msg(FD, extra={"x-epp-observe": token})),
+            observed(resp_headers_msg()), observed(resp_body_msg(b"data: x\n\n", False)), None)
+    await drive(svc, obs, FakeContext())
+    assert outcomes[-1] == "aborted" and d.calls[-1] == ("done", "ctx", True)
+
+
+async def test_inline_path_sets_no_token() -> None:
+    d = FakeDirector()
+    svc = ExtProcServicer(d, 1 << 20)
+    route = Feed()
+    route.put(headers_msg(FD), body_msg(BODY, True), resp_headers_msg(),
+              resp_body_msg(b"{}", True), None)
+    answers = await drive(svc, route, FakeContext())
+    assert "x-epp-observe" not in header_map(answers[0], "request_headers")
+    assert "x-epp-observe" in answers[0].request_headers.response.header_mutation.remove_headers
+    assert d.calls[-1] == ("done", "ctx", False)
+
+
+async def test_split_path_warns_once_that_response_headers_cannot_be_set(
+        caplog: pytest.LogCaptureFixture) -> None:
+    class SessionDirector(FakeDirector):
+        def on_response_headers(self, context: Any, status: int,
+                                headers: Mapping[str, str]) -> Mapping[str, str] | None:
+            return {"x-session-token": "abc"}
+
+    svc = ExtProcServicer(SessionDirector(), 1 << 20)
+    for _ in range(2):
+        route = Feed()
+        route.put(headers_msg(FD), body_msg(BODY, True), None)
+        await drive(svc, route, SPLIT)
+        token = next(iter(svc._awaiting))
+        obs = Feed()
+        obs.put(observed(headers_msg(FD, extra={"x-epp-observe": token})),
+                observed(resp_headers_msg()), observed(resp_body_msg(b"{}", True)), None)
+        await drive(svc, obs, FakeContext())
+    assert caplog.text.count("cannot reach clients on the split response path") == 1

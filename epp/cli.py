@@ -208,6 +208,11 @@ def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--body-mode", default="FULL_DUPLEX_STREAMED",
                    choices=["FULL_DUPLEX_STREAMED", "BUFFERED"],
                    help="Envoy ext_proc request body mode (default FULL_DUPLEX_STREAMED)")
+    p.add_argument("--response-path", default="inline", choices=["inline", "observer"],
+                   help="inline: one ext_proc filter that also passes the response through "
+                   "the EPP (GIE's shape, default); observer: a routing filter plus an "
+                   "observability-mode filter, the EPP off the response path "
+                   "(docs/architecture.md, \"Response observer\")")
     p.add_argument("--sim-args", default="",
                    help="extra arguments for every `epp sim` process, e.g. \"--max-num-seqs 8\"")
     p.add_argument("--no-compare", dest="compare", action="store_false",

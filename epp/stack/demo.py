@@ -123,7 +123,9 @@ async def _demo(args: argparse.Namespace) -> int:
             return 1
         await envoy_epp.start(render_envoy_config(listen_port=gw_epp, epp_port=grpc_port,
                                                   admin_port=free_port(),
-                                                  body_mode=args.body_mode), workdir / "envoy-epp")
+                                                  body_mode=args.body_mode,
+                                                  response_path=args.response_path),
+                               workdir / "envoy-epp")
         if args.compare:
             await envoy_rr.start(without_ext_proc(render_envoy_config(
                 listen_port=gw_rr, epp_port=grpc_port, admin_port=free_port(),
@@ -131,7 +133,8 @@ async def _demo(args: argparse.Namespace) -> int:
             await envoy_rr.wait_ready()
         await envoy_epp.wait_ready()
         url = f"http://127.0.0.1:{gw_epp}"
-        print(f"gateway  {url}  (Envoy → EPP ext_proc {args.body_mode} → {args.servers} pods)")
+        print(f"gateway  {url}  (Envoy → EPP ext_proc {args.body_mode}, response "
+              f"{args.response_path} → {args.servers} pods)")
         print(f"epp      metrics http://127.0.0.1:{metrics_port}/metrics")
         if args.compare:
             print(f"baseline http://127.0.0.1:{gw_rr}  (Envoy round robin over {args.servers} "

@@ -47,7 +47,7 @@ def test_demo_runs_and_summarises() -> None:
 async def test_demo_keep_running_stops_everything_on_ctrl_c() -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "epp.cli", "demo", "--duration", "1", "--servers", "2",
-        "--concurrency", "2", "--no-compare", "--keep-running",
+        "--concurrency", "2", "--no-compare", "--keep-running", "--response-path", "observer",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=ROOT)
     assert proc.stdout is not None
     seen = []
@@ -60,6 +60,7 @@ async def test_demo_keep_running_stops_everything_on_ctrl_c() -> None:
                 if "keeps running" in line:
                     break
         text = "".join(seen)
+        assert "response observer" in text and "EPP: " in text and " 0 errors" in text, text
         gateway = int(re.search(r"gateway  http://127\.0\.0\.1:(\d+)", text).group(1))  # type: ignore[union-attr]
         assert port_open(gateway)
         proc.send_signal(signal.SIGINT)

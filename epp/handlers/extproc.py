@@ -387,12 +387,17 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     messages then drive the same state (usage, completion). If no observer stream
     attaches within ``observer_grace_s`` after the routing stream ended, the request
     counts as aborted (so in-flight counts never leak).
+
+    ``observer_supported=False`` (the fronts of ``--workers N``, where the two streams
+    of one request may reach different processes): split streams are served as if the
+    routing stream were the whole request, with one warning.
     """
 
     def __init__(self, director: RequestDirector, max_body_bytes: int,
                  on_stream_end: Callable[[str], None] | None = None,
-                 observer_grace_s: float = 5.0) -> None:
+                 observer_grace_s: float = 5.0, observer_supported: bool = True) -> None:
         self._director = director
+        self._observer_supported = observer_supported
         self._max_body = max_body_bytes
         self._on_stream_end = on_stream_end
         self._observer_grace_s = observer_grace_s
@@ -400,6 +405,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self._awaiting: dict[str, ExtProcStream] = {}
         self._warned_no_observer = False
         self._warned_dropped_headers = False
+        self._warned_unsupported = False
 
     async def Process(  # noqa: N802 (gRPC method name)
         self,
@@ -407,6 +413,15 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         context: grpc.aio.ServicerContext[pb.ProcessingRequest, pb.ProcessingResponse],
     ) -> AsyncIterator[pb.ProcessingResponse]:
         token = os.urandom(12).hex() if _split_requested(context) else None
+        if token is not None and not self._observer_supported:
+            token = None
+            if not self._warned_unsupported:
+                self._warned_unsupported = True
+                log.warning("a gateway asks for the split response path (x-epp-response-path: "
+                            "observer), which needs --workers 1: with several ext_proc "
+                            "processes the response cannot be matched to its request, so "
+                            "each request ends (as aborted) with its routing stream and "
+                            "response usage is not counted")
         stream: ExtProcStream | None = ExtProcStream(self._director, self._max_body, token)
         clean = False
         try:

@@ -269,7 +269,8 @@ async def run_front(args: argparse.Namespace) -> int:
         ("grpc.http2.max_ping_strikes", 0),
     ])
     pb_grpc.add_ExternalProcessorServicer_to_server(
-        ExtProcServicer(director, args.max_request_body_bytes, on_stream_end=core.outcome),
+        ExtProcServicer(director, args.max_request_body_bytes, on_stream_end=core.outcome,
+                        observer_supported=False),
         server)
     hs = health.aio.HealthServicer()
     for svc in (keys.HEALTH_LIVENESS, keys.HEALTH_READINESS, keys.HEALTH_EXT_PROC, ""):

@@ -435,3 +435,18 @@ async def test_split_path_warns_once_that_response_headers_cannot_be_set(
                 observed(resp_headers_msg()), observed(resp_body_msg(b"{}", True)), None)
         await drive(svc, obs, FakeContext())
     assert caplog.text.count("cannot reach clients on the split response path") == 1
+
+
+async def test_split_path_is_refused_where_observers_cannot_be_matched(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """--workers N fronts: the routing stream is served as the whole request."""
+    d = FakeDirector()
+    outcomes: list[str] = []
+    svc = ExtProcServicer(d, 1 << 20, on_stream_end=outcomes.append, observer_supported=False)
+    for _ in range(2):
+        route = Feed()
+        route.put(headers_msg(FD), body_msg(BODY, True), None)
+        answers = await drive(svc, route, SPLIT)
+        assert "x-epp-observe" not in header_map(answers[0], "request_headers")
+    assert svc._awaiting == {} and outcomes == ["aborted", "aborted"]
+    assert caplog.text.count("which needs --workers 1") == 1

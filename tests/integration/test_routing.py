@@ -360,13 +360,15 @@ schedulingProfiles:
         await stop_stack(s)
 
 
+@pytest.mark.parametrize("mode", ["FULL_DUPLEX_STREAMED", "BUFFERED"])
 async def test_observer_response_path_through_envoy(
-        upstreams: Upstreams, session: aiohttp.ClientSession, tmp_path: Path) -> None:
+        upstreams: Upstreams, session: aiohttp.ClientSession, tmp_path: Path,
+        mode: str) -> None:
     """The split response path with real Envoy: routing filter + observability-mode filter.
     Requests are routed as before, the response reaches the EPP through the observer (usage
     counted, every request completed, nothing left in flight), and a forged token never
     reaches the upstream."""
-    s = await start_stack("FULL_DUPLEX_STREAMED", upstreams, tmp_path, response_path="observer")
+    s = await start_stack(mode, upstreams, tmp_path, response_path="observer")
     try:
         a = upstreams.ports[0]
         out_before = await s.epp.metric(session, "inference_objective_output_tokens_sum")

@@ -402,3 +402,27 @@ async def test_observer_response_path_through_envoy(
         assert await s.epp.metric(session, 'epp_extproc_streams_total{outcome="aborted"}') == 0
     finally:
         await stop_stack(s)
+
+
+async def test_observer_path_client_gone_mid_stream_is_aborted(
+        upstreams: Upstreams, session: aiohttp.ClientSession, tmp_path: Path) -> None:
+    """A client that leaves mid-answer: the observer stream closes without the response's
+    end, and the request counts as aborted — nothing stays in flight."""
+    s = await start_stack("FULL_DUPLEX_STREAMED", upstreams, tmp_path, response_path="observer")
+    try:
+        body = orjson.dumps({"model": "sim-model", "stream": True, "max_tokens": 400,
+                             "messages": [{"role": "user", "content": "a long story"}]})
+        async with aiohttp.ClientSession() as own:
+            async with own.post(s.url + "/v1/chat/completions", data=body,
+                                headers={"content-type": "application/json"}) as r:
+                assert r.status == 200
+                await r.content.readany()  # the first events, then hang up
+                r.close()
+
+        async def aborted() -> bool:
+            n = await s.epp.metric(session, 'epp_extproc_streams_total{outcome="aborted"}')
+            running = await s.epp.metric(session, "inference_objective_running_requests")
+            return n == 1 and running == 0
+        await eventually(aborted, timeout=10)
+    finally:
+        await stop_stack(s)

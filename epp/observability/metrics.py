@@ -7,7 +7,7 @@ datastore when scraped, costing nothing per request.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import GaugeMetricFamily
@@ -85,6 +85,22 @@ class _PoolCollector(Collector):
                                if m else 0)
             ready.add_metric(lab, m)
         return [q, kv, running, ready]
+
+
+class GangCollector(Collector):
+    """``epp_gang_excluded_pods``: Ready pool pods that take no traffic because their
+    multi-node gang (LeaderWorkerSet group, Grove PodGang) is not complete — read at
+    scrape time from discovery's gang tracker (Kubernetes mode only)."""
+
+    def __init__(self, tracker: Any) -> None:
+        self._tracker = tracker
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        g = GaugeMetricFamily("epp_gang_excluded_pods",
+                              "Ready pool pods taking no traffic because their multi-node "
+                              "gang is incomplete.")
+        g.add_metric([], len(self._tracker.excluded))
+        return [g]
 
 
 class EppMetrics:

@@ -275,14 +275,25 @@ async def test_traffic_follows_the_pods_the_api_server_reports(
         await eventually(lambda: _is(served_by(ports[2]), f"sim-{ports[3]}"))
         for _ in range(5):
             assert await served_by(ports[2]) == f"sim-{ports[3]}"
+        assert await _gauge(session, epp.metrics_port, "epp_gang_excluded_pods") == 1.0
         fake.put_pod("worker-0", "10.9.9.9", labels={keys.LABEL_GROVE_PODGANG: "gang"},
                      namespace=ns)
         await eventually(lambda: _is(served_by(ports[2]), f"sim-{ports[2]}"))
+        assert await _gauge(session, epp.metrics_port, "epp_gang_excluded_pods") == 0.0
 
         fake.delete("inferencepools", "pool", ns)          # pool gone: nothing to route to
         await eventually(lambda: _status_is(_post(session, url, ports[2]), 503))
     finally:
         await envoy.stop()
+
+
+async def _gauge(session: aiohttp.ClientSession, port: int, name: str) -> float:
+    async with session.get(f"http://127.0.0.1:{port}/metrics") as r:
+        text = await r.text()
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not exported")
 
 
 async def _is(result: Awaitable[str], want: str) -> bool:

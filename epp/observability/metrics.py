@@ -90,16 +90,16 @@ class _PoolCollector(Collector):
 class GangCollector(Collector):
     """``epp_gang_excluded_pods``: Ready pool pods that take no traffic because their
     multi-node gang (LeaderWorkerSet group, Grove PodGang) is not complete — read at
-    scrape time from discovery's gang tracker (Kubernetes mode only)."""
+    scrape time from discovery's gang tracker (Kubernetes mode; 0 without one)."""
 
-    def __init__(self, tracker: Any) -> None:
-        self._tracker = tracker
+    def __init__(self) -> None:
+        self.tracker: Any = None
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         g = GaugeMetricFamily("epp_gang_excluded_pods",
                               "Ready pool pods taking no traffic because their multi-node "
                               "gang is incomplete.")
-        g.add_metric([], len(self._tracker.excluded))
+        g.add_metric([], len(self.tracker.excluded) if self.tracker is not None else 0)
         return [g]
 
 
@@ -167,6 +167,8 @@ class EppMetrics:
                     "endpoint picker.", registry=r)
         info.info({"commit": "", "build_ref": __version__})
         r.register(_PoolCollector(store, pool_name))
+        self.gangs = GangCollector()
+        r.register(self.gangs)
         self._plugin_children: dict[tuple[str, int], Histogram] = {}
 
     def track_prefix_index_size(self, size: "Callable[[], float]") -> None:

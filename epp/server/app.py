@@ -42,7 +42,7 @@ from epp.discovery.static import StaticFileSource, parse_endpoints_arg
 from epp.errors import ConfigError
 from epp.handlers.extproc import ExtProcServicer
 from epp.observability.explain import DecisionLog
-from epp.observability.metrics import EppMetrics, GangCollector
+from epp.observability.metrics import EppMetrics
 from epp.observability.tracing import Tracing
 from epp.scheduling.interfaces import Plugin
 from epp.scheduling.plugins.prefix import ApproxPrefixCacheProducer
@@ -380,7 +380,7 @@ class EppServer:
         self._kube_api = await connect(o.kubeconfig)
         self.k8s_source = KubernetesSource(self._kube_api, self.store, kube,
                                            on_state_change=self._update_health)
-        self.metrics.registry.register(GangCollector(self.k8s_source.gangs))
+        self.metrics.gangs.tracker = self.k8s_source.gangs
         if election is not None:
             self.elector = LeaderElector(self._kube_api, election,
                                          on_change=lambda _leader: self._update_health())

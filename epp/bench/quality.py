@@ -570,7 +570,7 @@ def chart(report: dict[str, Any], path: Path) -> None:
     bound = 100 * report["ceiling"]["bound"]["hit_rate"]
     ax.axhline(bound, color="black", linestyle="--", label=f"ceiling {bound:.0f}%")
     ax.axhline(TARGET_HIT_VS_BOUND * bound, color="grey", linestyle=":",
-               label=f"95% of ceiling")
+               label="95% of ceiling")
     ax.set_xticks(list(x), labels, rotation=15)
     ax.set_ylabel("prefix-cache hit rate (%)")
     ax.set_title("cached prompt tokens / prompt tokens")

@@ -36,8 +36,7 @@ import socket
 import struct
 import sys
 import tempfile
-from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import grpc
 import orjson

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -13,19 +12,9 @@ from epp.discovery.kubeclient import KubeApi
 from epp.errors import ConfigError
 from epp.server.leader import LeaderElectionOptions, LeaderElector, default_identity, lease_name
 from tests.k8s_fake import FakeApiServer
+from tests.unit.conftest import eventually
 
 LEASE = lease_name("default", "pool")
-
-
-async def eventually(check: Callable[[], Any], timeout: float = 5.0) -> Any:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s (last: {result!r})")
-        await asyncio.sleep(0.01)
 
 
 @pytest_asyncio.fixture

@@ -432,8 +432,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     return
                 assert stream is not None
                 out = await stream.handle(msg)
-                if token is not None and stream.routed and token not in self._awaiting \
-                        and not stream.closed:
+                if token is not None and stream.routed and not stream.closed:
                     self._awaiting[token] = stream  # before Envoy sees the routing answer
                     token = None
                 for resp in out:

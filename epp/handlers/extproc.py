@@ -31,15 +31,17 @@ from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import Proces
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3.http_status_pb2 import HttpStatus
+from google.protobuf.message import DecodeError
 from google.protobuf.struct_pb2 import Struct
 
 from epp import keys
-from epp.errors import BodyTooLarge, EppError
+from epp.errors import BadRequest, BodyTooLarge, EppError
 from epp.handlers.protocol import RequestDirector, Routing
 
 log = logging.getLogger(__name__)
 
 MAX_CHUNK_BYTES = 62_000
+DEFAULT_MAX_HEADERS = 100  # Envoy's default max_headers_count
 _FULL_DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
 _OVERWRITE = HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
 
@@ -135,14 +137,18 @@ class ExtProcStream:
 
     __slots__ = ("_director", "_max_body", "_duplex", "_resp_duplex", "_headers", "_subset",
                  "_chunks", "_size", "_routed", "_routing", "closed", "_done_reported",
-                 "_trailers_pending", "_resp_len", "_resp_seen", "_aborted", "token")
+                 "_trailers_pending", "_resp_len", "_resp_seen", "_aborted", "token",
+                 "_headers_seen", "_header_count", "_max_headers")
 
     def __init__(self, director: RequestDirector, max_body_bytes: int,
-                 token: str | None = None) -> None:
+                 token: str | None = None, max_headers: int = DEFAULT_MAX_HEADERS) -> None:
         """``token``: the response comes on a separate observer stream that will carry
-        this token (split response path); it is set on the routed request."""
+        this token (split response path); it is set on the routed request.
+        ``max_headers``: the gateway's request header limit (0 = do not check)."""
         self._director = director
         self._max_body = max_body_bytes
+        self._max_headers = max_headers
+        self._header_count = 0
         self.token = token
         self._duplex = False
         self._resp_duplex = False
@@ -158,6 +164,7 @@ class ExtProcStream:
         self._resp_len: int | None = None  # response content-length, when declared
         self._resp_seen = 0
         self._aborted = False  # the final say on whether the routed request was aborted
+        self._headers_seen = False
 
     async def handle(self, msg: pb.ProcessingRequest) -> Sequence[pb.ProcessingResponse]:
         """Process one message from Envoy and return the responses to send, in order."""
@@ -189,12 +196,23 @@ class ExtProcStream:
     # --- request path ---
 
     async def _on_request_headers(self, msg: pb.ProcessingRequest) -> Sequence[pb.ProcessingResponse]:
+        if self._headers_seen:
+            # One stream is one HTTP request: Envoy never sends this. Answer it (and end a
+            # request routed already, so nothing stays counted as running).
+            raise BadRequest("ext_proc protocol error: a second request_headers message "
+                             "on one stream")
+        self._headers_seen = True
         if msg.HasField("protocol_config"):
             pc = msg.protocol_config
             self._duplex = pc.request_body_mode == _FULL_DUPLEX
             self._resp_duplex = pc.response_body_mode == _FULL_DUPLEX
         self._headers = _headers_dict(msg.request_headers.headers)
+        self._header_count = len(msg.request_headers.headers.headers)
         self._subset = _subset_hint(msg)
+        if self._max_headers:
+            # Envoy checks the count after every mutation, even a removal: a request over
+            # the limit here fails whatever we answer.
+            self._check_header_count(0)
         if msg.request_headers.end_of_stream:
             routing = await self._route(b"", has_body=False)
             return [self._headers_response(routing)]
@@ -244,7 +262,41 @@ class ExtProcStream:
         routing = await self._director.route(self._headers, body, has_body, self._subset)
         self._routing = routing
         self._routed = True
+        if self._max_headers:
+            self._check_header_room(routing)
         return routing
+
+    def _check_header_room(self, routing: Routing) -> None:
+        """Envoy fails a request with a bare 500 when a header mutation leaves more headers
+        than its listener's ``max_headers_count``: answer 431 instead, naming the cause.
+
+        Envoy counts the headers it sent us, less ``content-length`` in full duplex (it
+        strips it there; measured with Envoy 1.40: in FULL_DUPLEX_STREAMED 100 sent with a
+        content-length + 1 added passes, in BUFFERED 100 + 1 fails)."""
+        have = self._headers
+        added = sum(1 for k in (keys.HEADER_DESTINATION, *routing.set_headers) if k not in have)
+        if self.token is not None and keys.HEADER_OBSERVE_TOKEN not in have:
+            added += 1
+        if routing.body is not None and keys.HEADER_CONTENT_LENGTH not in have:
+            added += 1
+        removed = sum(1 for k in keys.ROUTING_HEADERS
+                      if k in have and k != keys.HEADER_DESTINATION
+                      and k not in routing.set_headers)
+        self._check_header_count(added - removed)
+
+    def _check_header_count(self, delta: int) -> None:
+        count = self._header_count
+        if self._duplex and keys.HEADER_CONTENT_LENGTH in self._headers:
+            count -= 1
+        if count + delta > self._max_headers:
+            if not self._routed:
+                self._director.on_rejected(self._headers, 431)
+            raise EppError(
+                f"the request has {count} headers; with the {max(delta, 0)} routing "
+                "header(s) the endpoint picker adds it would exceed the gateway's limit of "
+                f"{self._max_headers} (Envoy's max_headers_count; epp serve "
+                "--max-request-headers)", status=431,
+                error_type="request_header_fields_too_large")
 
     def _headers_response(self, routing: Routing,
                           content_length: int | None = None) -> pb.ProcessingResponse:
@@ -395,8 +447,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
 
     def __init__(self, director: RequestDirector, max_body_bytes: int,
                  on_stream_end: Callable[[str], None] | None = None,
-                 observer_grace_s: float = 5.0, observer_supported: bool = True) -> None:
+                 observer_grace_s: float = 5.0, observer_supported: bool = True,
+                 max_headers: int = DEFAULT_MAX_HEADERS) -> None:
         self._director = director
+        self._max_headers = max_headers
         self._observer_supported = observer_supported
         self._max_body = max_body_bytes
         self._on_stream_end = on_stream_end
@@ -406,6 +460,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self._warned_no_observer = False
         self._warned_dropped_headers = False
         self._warned_unsupported = False
+        self._bad_messages = 0
 
     async def Process(  # noqa: N802 (gRPC method name)
         self,
@@ -422,7 +477,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                             "processes the response cannot be matched to its request, so "
                             "each request ends (as aborted) with its routing stream and "
                             "response usage is not counted")
-        stream: ExtProcStream | None = ExtProcStream(self._director, self._max_body, token)
+        stream: ExtProcStream | None = ExtProcStream(self._director, self._max_body, token,
+                                                          self._max_headers)
         clean = False
         try:
             async for msg in request_iterator:
@@ -440,9 +496,23 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 if stream.closed:
                     return
             clean = True
+        except DecodeError as e:
+            await self._not_ext_proc(context, e)
         finally:
             if stream is not None:
                 self._end(stream, clean)
+
+    async def _not_ext_proc(self, context: Any, error: DecodeError) -> None:
+        """A message that is not a ProcessingRequest (not Envoy, or a broken peer): end the
+        stream with INVALID_ARGUMENT and say so in one log line, never a traceback."""
+        self._bad_messages += 1
+        first = self._bad_messages == 1
+        log.log(logging.WARNING if first else logging.DEBUG,
+                "an ext_proc stream from %s sent a message that is not a ProcessingRequest "
+                "(%s); ended with INVALID_ARGUMENT%s", context.peer(), error,
+                " (further ones are logged at debug level)" if first else "")
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            "message is not an envoy.service.ext_proc.v3.ProcessingRequest")
 
     def _end(self, stream: ExtProcStream, clean: bool) -> None:
         if stream.token is not None and stream.routed and not stream.closed:

@@ -182,7 +182,57 @@ def rewrite_model(data: dict[str, Any], new_model: str) -> bytes:
     caller sets ``content-length`` from its length).
     """
     data["model"] = new_model
-    return orjson.dumps(data)
+    try:
+        return orjson.dumps(data)
+    except orjson.JSONEncodeError:
+        # Nested deeper than orjson serialises (254 levels; it parses up to 1,024).
+        return dumps_any_depth(data)
+
+
+_END: Final = object()
+
+
+def dumps_any_depth(value: Any, sort_keys: bool = False) -> bytes:
+    """Serialise a decoded JSON value of any nesting depth, without recursion.
+
+    The fallback for values orjson refuses to serialise for depth alone (it parses up
+    to 1,024 levels but serialises only 254; the standard library stops near Python's
+    recursion limit). Scalars go through orjson, so the output matches
+    ``orjson.dumps(value)`` (with ``sort_keys``, ``OPT_SORT_KEYS``) byte for byte.
+    """
+    out: list[bytes] = []
+    # Each open container: [iterator over its items, closing byte, is_object, first].
+    stack: list[list[Any]] = []
+
+    def open_value(v: Any) -> None:
+        if isinstance(v, dict):
+            out.append(b"{")
+            items = sorted(v.items()) if sort_keys else v.items()
+            stack.append([iter(items), b"}", True, True])
+        elif isinstance(v, list):
+            out.append(b"[")
+            stack.append([iter(v), b"]", False, True])
+        else:
+            out.append(orjson.dumps(v))
+
+    open_value(value)
+    while stack:
+        frame = stack[-1]
+        item = next(frame[0], _END)
+        if item is _END:
+            out.append(frame[1])
+            stack.pop()
+            continue
+        if frame[3]:
+            frame[3] = False
+        else:
+            out.append(b",")
+        if frame[2]:
+            key, item = item
+            out.append(orjson.dumps(key))
+            out.append(b":")
+        open_value(item)
+    return b"".join(out)
 
 
 # --- field helpers ------------------------------------------------------------------
@@ -232,7 +282,10 @@ def _opt_count(data: dict[str, Any], key: str) -> int | None:
 
 
 def _dumps_sorted(v: Any) -> str:
-    return orjson.dumps(v, option=orjson.OPT_SORT_KEYS).decode()
+    try:
+        return orjson.dumps(v, option=orjson.OPT_SORT_KEYS).decode()
+    except orjson.JSONEncodeError:  # deeper than orjson serialises
+        return dumps_any_depth(v, sort_keys=True).decode()
 
 
 # --- completions / embeddings -------------------------------------------------------

@@ -155,14 +155,23 @@ class SchedulingCore:
             raise EppError("internal error in the endpoint picker") from e
 
         primary = result.primary.endpoints
+        # From here on the request is placed: a failing plugin is logged and passed over
+        # (as ResponseHeaders and ResponseComplete plugins are), so the decision and its
+        # accounting always complete together.
         for plugin in self.pre_request:
-            plugin.pre_request(request, result)
+            try:
+                plugin.pre_request(request, result)
+            except Exception:
+                log.exception("PreRequest plugin %s failed", plugin.name)
         hit = request.plugin_state.get(keys.PLUGIN_STATE_PREFIX_HIT_RATIO)
         if hit is not None:
             self.metrics.prefix_hit_ratio.observe(hit)
         set_headers: dict[str, str] = {}
         for hp in self.request_headers:
-            set_headers.update(hp.request_headers(request, result))
+            try:
+                set_headers.update(hp.request_headers(request, result))
+            except Exception:
+                log.exception("RequestHeaders plugin %s failed", hp.name)
         if self._pd_decision is not None:
             self.metrics.pd_decisions.labels(self._pd_decision(result)).inc()
         if keys.HEADER_REQUEST_ID not in headers:
@@ -321,16 +330,19 @@ class Director:
         has_body: bool,
         subset: Sequence[str] | None,
     ) -> Routing:
+        # Everything that can fail on the client's input happens before the core counts
+        # the request as running: a decided request is always handed back (on_done).
+        new_body = None
         try:
             request, parsed = build_request(headers, body, has_body)
+            if parsed is not None and request.target_model != request.incoming_model:
+                new_body = rewrite_model(parsed.data, request.target_model)
         except EppError as e:
             self.core.reject("", "", e.status)
             raise
         decision = await self.core.decide(request, subset)
         ctx = RequestContext(request, decision.ticket, decision.response_headers)
-        new_body = None
-        if parsed is not None and request.target_model != request.incoming_model:
-            new_body = rewrite_model(parsed.data, request.target_model)
+        if new_body is not None:
             ctx.model_back = _model_patterns(request.target_model, request.incoming_model)
         return Routing(destination=decision.destination, set_headers=decision.set_headers,
                        body=new_body, context=ctx)

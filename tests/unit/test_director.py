@@ -121,3 +121,47 @@ async def test_session_affinity_token_round_trip() -> None:
     for _ in range(10):
         r2 = await d.route({**H, "x-session-token": token}, CHAT, True, None)
         assert r2.destination == r.destination
+
+
+def _running(d: Director) -> float:
+    v = d.core.core.metrics.registry.get_sample_value(  # type: ignore[attr-defined]
+        "inference_objective_running_requests", {"model_name": "llama"})
+    return v or 0.0
+
+
+@pytest.mark.parametrize("depth", [100, 300, 1000])
+async def test_deeply_nested_body_with_model_rewrite_is_routed(depth: int) -> None:
+    """orjson serialises only 254 levels (it parses 1,024): the rewrite must not fail after
+    the request is counted (it used to: 500 and a running request never completed)."""
+    d, _ = make_director()
+    body = (b'{"model":"llama","messages":[{"role":"user","content":"hi"}],"x":'
+            + b"[" * depth + b"]" * depth + b"}")
+    r = await d.route({**H, "x-gateway-model-name-rewrite": "llama-v2"}, body, True, None)
+    assert r.body is not None
+    out = orjson.loads(r.body)
+    assert out["model"] == "llama-v2"
+    assert r.body.endswith(b"[" * depth + b"]" * depth + b"}")
+    assert _running(d) == 1
+    d.on_done(r.context, aborted=True)
+    assert _running(d) == 0
+
+
+async def test_failing_plugins_after_the_decision_do_not_leak_it() -> None:
+    d, _ = make_director()
+    core = d.core.core  # type: ignore[attr-defined]
+
+    class Boom:
+        name = "boom"
+
+        def pre_request(self, request: object, result: object) -> None:
+            raise RuntimeError("pre_request bug")
+
+        def request_headers(self, request: object, result: object) -> dict[str, str]:
+            raise RuntimeError("request_headers bug")
+
+    core.pre_request = (*core.pre_request, Boom())
+    core.request_headers = (*core.request_headers, Boom())
+    r = await d.route(H, CHAT, True, None)
+    assert r.destination and _running(d) == 1
+    d.on_done(r.context, aborted=True)
+    assert _running(d) == 0

@@ -450,3 +450,43 @@ async def test_split_path_is_refused_where_observers_cannot_be_matched(
         assert "x-epp-observe" not in header_map(answers[0], "request_headers")
     assert svc._awaiting == {} and outcomes == ["aborted", "aborted"]
     assert caplog.text.count("which needs --workers 1") == 1
+
+
+async def test_second_request_headers_ends_the_routed_request_once() -> None:
+    d = FakeDirector()
+    s = ExtProcStream(d, 1 << 20)
+    first = await s.handle(headers_msg(eos=True))
+    assert first[0].HasField("request_headers")
+    second = await s.handle(headers_msg(eos=True))
+    assert second[0].immediate_response.status.code == 400
+    assert len([c for c in d.calls if c[0] == "route"]) == 1
+    assert [c for c in d.calls if c[0] == "done"] == [("done", "ctx", True)]
+    s.finish(clean=True)
+    assert [c for c in d.calls if c[0] == "done"] == [("done", "ctx", True)]
+
+
+@pytest.mark.parametrize("mode", [FD, BUF])
+async def test_too_many_headers_for_envoy_is_431_not_routed(mode: int) -> None:
+    d = FakeDirector()
+    s = ExtProcStream(d, 1 << 20, max_headers=10)
+    extra = {f"x-h{i}": "v" for i in range(8)}  # 3 base + 8 = 11 headers
+    out = await s.handle(headers_msg(mode, extra=extra))
+    assert out[0].immediate_response.status.code == 431
+    assert b"max_headers_count" in out[0].immediate_response.body
+    assert ("rejected", 431) in d.calls and not [c for c in d.calls if c[0] == "route"]
+
+
+async def test_routing_header_that_would_cross_the_limit_is_431_and_completed() -> None:
+    d = FakeDirector()
+    s = ExtProcStream(d, 1 << 20, max_headers=10)
+    extra = {f"x-h{i}": "v" for i in range(7)}  # 10 headers: adding the destination crosses
+    assert await s.handle(headers_msg(BUF, extra=extra))
+    out = await s.handle(body_msg(BODY, eos=True))
+    assert out[0].immediate_response.status.code == 431
+    assert [c for c in d.calls if c[0] == "done"] == [("done", "ctx", True)]
+    # Full duplex: Envoy strips content-length, which leaves room for the destination.
+    s = ExtProcStream(FakeDirector(), 1 << 20, max_headers=10)
+    extra = {f"x-h{i}": "v" for i in range(6)} | {"content-length": str(len(BODY))}
+    assert await s.handle(headers_msg(FD, extra=extra)) == []
+    out = await s.handle(body_msg(BODY, eos=True))
+    assert out[0].HasField("request_headers")

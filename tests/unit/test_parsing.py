@@ -571,3 +571,47 @@ def test_rewrite_model() -> None:
     assert p.data["model"] == "llama-3-8b-lora"
     again = parse_request_body(CHAT, out)
     assert again.model == "llama-3-8b-lora" and again.prompt == p.prompt
+
+
+def test_dumps_any_depth_matches_orjson_and_goes_deeper() -> None:
+    import random
+
+    from epp.parsing.request import dumps_any_depth
+
+    rng = random.Random(7)
+
+    def value(depth: int = 0) -> object:
+        r = rng.random()
+        if depth > 4 or r < 0.3:
+            return rng.choice([1, -2.5, "x\u00e9\"\n", None, True, False, 10**15])
+        if r < 0.65:
+            return {f"k{rng.randint(0, 9)}": value(depth + 1) for _ in range(rng.randint(0, 4))}
+        return [value(depth + 1) for _ in range(rng.randint(0, 4))]
+
+    for _ in range(500):
+        v = value()
+        assert dumps_any_depth(v) == orjson.dumps(v)
+        assert dumps_any_depth(v, sort_keys=True) == orjson.dumps(v, option=orjson.OPT_SORT_KEYS)
+    deep = orjson.loads(b"[" * 1000 + b"{}" + b"]" * 1000)
+    assert dumps_any_depth(deep) == b"[" * 1000 + b"{}" + b"]" * 1000
+
+
+@pytest.mark.parametrize("where", ["image", "tools", "tool_calls", "responses"])
+def test_deep_nesting_in_rendered_json_parses(where: str) -> None:
+    nest = "[" * 900 + "]" * 900
+    if where == "image":
+        body = ('{"model":"m","messages":[{"role":"user","content":[{"type":"image_url",'
+                '"image_url":{"detail":' + nest + '}}]}]}')
+        path = "/v1/chat/completions"
+    elif where == "tools":
+        body = ('{"model":"m","tools":[' + nest + '],"messages":[{"role":"user",'
+                '"content":"hi"}]}')
+        path = "/v1/chat/completions"
+    elif where == "tool_calls":
+        body = ('{"model":"m","messages":[{"role":"assistant","tool_calls":[' + nest + ']}]}')
+        path = "/v1/chat/completions"
+    else:
+        body = '{"model":"m","input":[{"type":"function_call","arguments":' + nest + '}]}'
+        path = "/v1/responses"
+    parsed = parse_request_body(path, body.encode())
+    assert nest in parsed.prompt

@@ -217,7 +217,7 @@ async def _load_rows(args: argparse.Namespace, load: Load, work: Path) -> list[R
 async def _epp_case(args: argparse.Namespace, load: Load, work: Path, up_port: int, lua: Path,
                     conc: int, workers: int, path: str) -> Row:
     grpc_port = free_port()
-    argv = [sys.executable, "-m", "epp.cli", "serve", "--bind-address", "127.0.0.1",
+    argv = [sys.executable, "-m", "epp.cli", "serve", "--drain-quiet-period", "0", "--bind-address", "127.0.0.1",
             "--grpc-port", str(grpc_port), "--grpc-health-port", str(free_port()),
             "--metrics-port", str(free_port()), "--log-level", "warning",
             "--endpoints", f"127.0.0.1:{up_port}", "--no-metrics-scraping",

@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from epp import __version__
 from epp.errors import ConfigError
@@ -27,13 +26,25 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p = sub.add_parser("serve", help="run the endpoint picker (ext_proc gRPC server)",
                        description="Run the endpoint picker: an Envoy ext_proc gRPC server that "
                        "picks a model-server endpoint for every request.")
-    p.add_argument("--grpc-port", type=int, default=9002, help="ext_proc gRPC port (default 9002)")
+    p.add_argument("--grpc-port", type=int, default=9002,
+                   help="ext_proc gRPC port: the gateway's ext_proc filter connects here; "
+                   "also serves gRPC health (default 9002)")
     p.add_argument("--grpc-health-port", type=int, default=9003,
-                   help="gRPC health port (default 9003)")
+                   help="gRPC health port: liveness/readiness probes (default 9003)")
     p.add_argument("--metrics-port", type=int, default=9090,
-                   help="Prometheus /metrics port (default 9090)")
-    p.add_argument("--bind-address", default="0.0.0.0",
-                   help="address to listen on (default 0.0.0.0)")
+                   help="Prometheus /metrics and /debug/decisions port (default 9090)")
+    p.add_argument("--bind-address", default="0.0.0.0", metavar="ADDR",
+                   help="address all three ports listen on unless overridden below (default "
+                   "0.0.0.0: every interface)")
+    p.add_argument("--grpc-bind-address", metavar="ADDR",
+                   help="address of the ext_proc port, which routes traffic and should be "
+                   "reachable by the gateway only (default: --bind-address)")
+    p.add_argument("--grpc-health-bind-address", metavar="ADDR",
+                   help="address of the gRPC health port, for the kubelet's probes "
+                   "(default: --bind-address)")
+    p.add_argument("--metrics-bind-address", metavar="ADDR",
+                   help="address of the metrics port (/metrics, /debug/decisions: pool "
+                   "state and decisions; see --metrics-endpoint-auth) (default: --bind-address)")
     cfg = p.add_mutually_exclusive_group()
     cfg.add_argument("--config-file", help="EndpointPickerConfig YAML file")
     cfg.add_argument("--config-text", help="EndpointPickerConfig YAML given inline")
@@ -45,11 +56,27 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--workers", type=int, default=1, metavar="N",
                    help="ext_proc front processes around one scheduling core (default 1: "
                    "everything in this process; 0: one per CPU core); see docs/architecture.md")
+    p.add_argument("--max-request-headers", type=int, default=100, metavar="N",
+                   help="the gateway's request header limit (Envoy's max_headers_count, "
+                   "default 100): a request that would exceed it once the EPP adds its "
+                   "routing headers is answered 431, where Envoy would fail it with a bare "
+                   "500 (0: no check)")
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY,
                    help=f"reject larger request bodies with 413 (default {DEFAULT_MAX_BODY})")
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"],
                    help="log level (default info; per-request lines are logged at debug)")
+    g = p.add_argument_group("shutdown (see docs/operations.md)")
+    g.add_argument("--drain-timeout", type=_duration, default=30.0, metavar="DUR",
+                   help="on SIGTERM/SIGINT report NOT_SERVING at once but keep serving "
+                   "ext_proc, new streams included, for up to this long; streams still "
+                   "running then are cut (default 30s, as llm-d's router; 0: stop at once). "
+                   "A second signal stops at once")
+    g.add_argument("--drain-quiet-period", type=_duration, default=None, metavar="DUR",
+                   help="end the drain early once no ext_proc stream has been in flight for "
+                   "this long since the signal (default: --drain-timeout, i.e. serve the "
+                   "whole window as llm-d's router does; a short value suits local tools "
+                   "and tests, where no gateway needs time to notice)")
     _add_metrics_flags(p)
     _add_observability_flags(p)
 
@@ -160,6 +187,10 @@ def _add_metrics_flags(p: argparse.ArgumentParser) -> None:
                    help="path for scraping (default /metrics)")
     g.add_argument("--model-server-metrics-port", type=int, default=0, metavar="PORT",
                    help="port for scraping (default 0: the endpoint's own port)")
+    g.add_argument("--model-server-metrics-max-bytes", type=int, default=4 << 20,
+                   metavar="BYTES",
+                   help="a larger /metrics body fails the scrape; the read stops there "
+                   "(default 4194304, 4 MiB)")
     g.add_argument("--model-server-metrics-https-insecure-skip-verify", type=_go_bool,
                    nargs="?", const=True, default=True, metavar="BOOL",
                    help="with https, do not verify the server certificate (default true)")
@@ -271,7 +302,8 @@ def _serve(args: argparse.Namespace) -> int:
     args.metrics_endpoint_auth = auth
     if args.metrics_endpoint_auth is not None:
         try:
-            token = open(args.metrics_endpoint_auth, encoding="utf-8").read().strip()
+            with open(args.metrics_endpoint_auth, encoding="utf-8") as f:
+                token = f.read().strip()
         except OSError as e:
             print(f"epp: error: --metrics-endpoint-auth: cannot read {args.metrics_endpoint_auth}:"
                   f" {e.strerror or e}", file=sys.stderr)
@@ -290,12 +322,27 @@ def _serve(args: argparse.Namespace) -> int:
     if args.explain_history < 0:
         print("epp: error: --explain-history must be >= 0", file=sys.stderr)
         return 1
+    if args.max_request_headers < 0:
+        print("epp: error: --max-request-headers must be >= 0", file=sys.stderr)
+        return 1
+    if args.drain_quiet_period is None:
+        args.drain_quiet_period = args.drain_timeout
+    for flag, value in (("--drain-timeout", args.drain_timeout),
+                        ("--drain-quiet-period", args.drain_quiet_period)):
+        if value < 0:
+            print(f"epp: error: {flag} must be >= 0", file=sys.stderr)
+            return 1
     opts = ServeOptions(
         grpc_port=args.grpc_port, grpc_health_port=args.grpc_health_port,
         metrics_port=args.metrics_port, bind_address=args.bind_address,
+        grpc_bind_address=args.grpc_bind_address,
+        grpc_health_bind_address=args.grpc_health_bind_address,
+        metrics_bind_address=args.metrics_bind_address,
+        drain_timeout_s=args.drain_timeout, drain_quiet_s=args.drain_quiet_period,
         config_file=args.config_file, config_text=args.config_text,
         endpoints=args.endpoints, endpoints_file=args.endpoints_file,
         max_request_body_bytes=args.max_request_body_bytes,
+        max_request_headers=args.max_request_headers,
         pool_name=args.pool_name, pool_namespace=args.pool_namespace,
         pool_group=args.pool_group, endpoint_selector=args.endpoint_selector,
         endpoint_target_ports=args.endpoint_target_ports, kubeconfig=args.kubeconfig,
@@ -314,6 +361,7 @@ def _serve(args: argparse.Namespace) -> int:
             port=args.model_server_metrics_port or None,
             insecure_skip_verify=args.model_server_metrics_https_insecure_skip_verify,
             max_concurrency=args.metrics_scrape_concurrency,
+            max_body_bytes=args.model_server_metrics_max_bytes,
             max_loop_lag_s=args.metrics_max_loop_lag or None,
         ),
         metric_overrides=MappingOverrides(
@@ -332,11 +380,13 @@ def _serve(args: argparse.Namespace) -> int:
     )
 
     async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await serve_forever(opts, stop)
+        from epp.server.drain import install_shutdown_signals
+
+        # First SIGTERM/SIGINT: drain (NOT_SERVING, keep serving up to --drain-timeout);
+        # a second one: stop at once.
+        drain, stop_now = asyncio.Event(), asyncio.Event()
+        install_shutdown_signals(drain, stop_now)
+        await serve_forever(opts, drain, stop_now)
 
     from epp.server.loop import run as run_loop
 

@@ -41,6 +41,15 @@ METADATA_DESTINATION_KEY: Final = HEADER_DESTINATION
 METADATA_SUBSET_NAMESPACE: Final = "envoy.lb.subset_hint"
 METADATA_SUBSET_KEY: Final = "x-gateway-destination-endpoint-subset"
 
+# Envoy attributes the gateway may send with the response headers (ext_proc
+# `response_attributes`), under the filter's own namespace: they tell the EPP when the
+# upstream it chose could not be reached (docs/operations.md).
+ATTRIBUTES_NAMESPACE: Final = "envoy.filters.http.ext_proc"
+ATTRIBUTE_RESPONSE_FLAGS: Final = "response.flags"
+ATTRIBUTE_UPSTREAM_ADDRESS: Final = "upstream.address"
+# Envoy's ResponseFlag bit UF (upstream connection failure).
+RESPONSE_FLAG_UPSTREAM_CONNECTION_FAILURE: Final = 0x20
+
 # --- Content types ---
 CONTENT_TYPE_SSE: Final = "text/event-stream"
 CONTENT_TYPE_JSON: Final = "application/json"

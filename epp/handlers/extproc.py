@@ -177,6 +177,8 @@ class ExtProcStream:
             if kind == "request_trailers":
                 return await self._on_request_trailers()
             if kind == "response_headers":
+                if msg.attributes:
+                    self._check_upstream(msg)
                 return self._on_response_headers(msg.response_headers)
             if kind == "response_body":
                 return self._on_response_body(msg.response_body)
@@ -327,6 +329,22 @@ class ExtProcStream:
                                       dynamic_metadata=routing_metadata(routing.destination))]
 
     # --- response path ---
+
+    def _check_upstream(self, msg: pb.ProcessingRequest) -> None:
+        """Envoy's attributes say the upstream could not be connected to (flag UF): tell
+        the Director which endpoint, so it stops being picked before a scrape notices."""
+        if self._routing is None:
+            return
+        attrs = msg.attributes.get(keys.ATTRIBUTES_NAMESPACE)
+        if attrs is None:
+            return
+        flags = attrs.fields.get(keys.ATTRIBUTE_RESPONSE_FLAGS)
+        if flags is None or not int(flags.number_value) & keys.RESPONSE_FLAG_UPSTREAM_CONNECTION_FAILURE:
+            return
+        upstream = attrs.fields.get(keys.ATTRIBUTE_UPSTREAM_ADDRESS)
+        address = upstream.string_value if upstream is not None else ""
+        self._director.on_upstream_failure(self._routing.context,
+                                           address or self._routing.destination.split(",")[0])
 
     def _on_response_headers(self, h: pb.HttpHeaders) -> Sequence[pb.ProcessingResponse]:
         if self._routing is None:

@@ -55,6 +55,11 @@ class RequestDirector(Protocol):
         """A response body chunk passes through; return a replacement chunk, or None."""
         ...
 
+    def on_upstream_failure(self, context: Any, address: str) -> None:
+        """Envoy could not connect to ``address`` (``ip:port``), an endpoint this request
+        was routed to (from the response attributes, when the gateway sends them)."""
+        ...
+
     def on_done(self, context: Any, aborted: bool) -> bool | None:
         """Called exactly once per routed request: response complete, or stream aborted.
 

@@ -18,7 +18,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import orjson
 
@@ -102,6 +102,7 @@ class SchedulingCore:
         self.decisions = decisions
         self.tracing = tracing
         self._plugin_spans: PluginSpans | None = None
+        self.on_upstream_failure: Callable[[str], None] | None = None
         # P/D handlers classify each decision ("disaggregated" / "decode-only").
         self._pd_decision = getattr(scheduler.handler, "decision", None)
 
@@ -243,6 +244,13 @@ class SchedulingCore:
         """Count a request rejected before scheduling (bad body, body too large, …)."""
         self.metrics.request_error_total.labels(incoming, target, str(status)).inc()
 
+    def upstream_failed(self, address: str) -> None:
+        """Envoy could not connect to the endpoint ``address`` (``ip:port``) it was sent
+        to: hand it to ``on_upstream_failure`` (the metrics scraper marks it unreachable
+        until a scrape succeeds again)."""
+        if self.on_upstream_failure is not None:
+            self.on_upstream_failure(address)
+
     def plugin_timer(self, extension_point: str, plugin: Plugin, seconds: float) -> None:
         """Fan-in point for plugin timings: feeds the current request's trace spans."""
         spans = self._plugin_spans
@@ -283,6 +291,8 @@ class CoreClient(Protocol):
 
     def reject(self, incoming: str, target: str, status: int) -> None: ...
 
+    def upstream_failed(self, address: str) -> None: ...
+
 
 class LocalCore:
     """The in-process CoreClient (single-process mode)."""
@@ -298,6 +308,9 @@ class LocalCore:
 
     def reject(self, incoming: str, target: str, status: int) -> None:
         self.core.reject(incoming, target, status)
+
+    def upstream_failed(self, address: str) -> None:
+        self.core.upstream_failed(address)
 
 
 @dataclass(slots=True)
@@ -372,6 +385,9 @@ class Director:
             if a in chunk or c in chunk:
                 return chunk.replace(a, b).replace(c, d)
         return None
+
+    def on_upstream_failure(self, context: Any, address: str) -> None:
+        self.core.upstream_failed(address)
 
     def on_done(self, context: Any, aborted: bool) -> bool:
         ctx: RequestContext = context

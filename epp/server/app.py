@@ -3,8 +3,10 @@
 Startup order: build the config and the metric mappings (fail fast), load endpoints
 (fails fast on a bad file), bind the metrics, health and ext_proc ports (a port in use is
 a clear error), start the model-server metrics scraper, then report SERVING on the health
-services once the endpoint source has synced. Stop: endpoint source, scraper, then the
-gRPC servers (with grace) and the metrics port.
+services once the endpoint source has synced. Shutdown (:func:`serve_forever`): drain
+first (:meth:`EppServer.drain`, epp/server/drain.py: NOT_SERVING at once, ext_proc keeps
+serving for the drain window), then stop: endpoint source, scraper, then the gRPC servers
+(with grace) and the metrics port.
 """
 
 from __future__ import annotations
@@ -40,17 +42,24 @@ from epp.discovery.kubernetes import (
 from epp.discovery.reflector import ReflectorOptions
 from epp.discovery.static import StaticFileSource, parse_endpoints_arg
 from epp.errors import ConfigError
-from epp.handlers.extproc import ExtProcServicer
+from epp.handlers.extproc import DEFAULT_MAX_HEADERS, ExtProcServicer
 from epp.observability.explain import DecisionLog
 from epp.observability.metrics import EppMetrics
 from epp.observability.tracing import Tracing
+from epp.requestcontrol.director import Director, SchedulingCore
 from epp.scheduling.interfaces import Plugin
 from epp.scheduling.plugins.prefix import ApproxPrefixCacheProducer
-from epp.requestcontrol.director import Director, SchedulingCore
-from epp.server.workers import CoreServer, FrontPool, check_port_free, front_argv
-from epp.stack.procs import wait_port
+from epp.server.drain import (
+    DEFAULT_DRAIN_QUIET_S,
+    DEFAULT_DRAIN_TIMEOUT_S,
+    StreamTracker,
+    TrackedExtProc,
+    drain_server,
+)
 from epp.server.leader import LeaderElectionOptions, LeaderElector, default_identity, lease_name
 from epp.server.tls import load_key_pair, self_signed_key_pair
+from epp.server.workers import CoreServer, FrontPool, check_port_free, front_argv
+from epp.stack.procs import wait_port
 
 log = logging.getLogger(__name__)
 
@@ -61,17 +70,29 @@ class StartupError(Exception):
     """The server cannot start (port in use, bad endpoints, bad config)."""
 
 
+def host_port(address: str, port: int) -> str:
+    """``address:port`` as gRPC parses it (IPv6 addresses in brackets)."""
+    if ":" in address and not address.startswith("["):
+        return f"[{address}]:{port}"
+    return f"{address}:{port}"
+
+
 @dataclass
 class ServeOptions:
     grpc_port: int = 9002
     grpc_health_port: int = 9003
     metrics_port: int = 9090
-    bind_address: str = "0.0.0.0"
+    bind_address: str = "0.0.0.0"  # the default for the three below
+    grpc_bind_address: str | None = None  # ext_proc port (None: bind_address)
+    grpc_health_bind_address: str | None = None  # gRPC health port
+    metrics_bind_address: str | None = None  # Prometheus /metrics and /debug/* port
     config_file: str | None = None
     config_text: str | None = None
     endpoints: str | None = None
     endpoints_file: str | None = None
     max_request_body_bytes: int = DEFAULT_MAX_BODY
+    # The gateway's request header limit (Envoy's max_headers_count); 0 = no check.
+    max_request_headers: int = DEFAULT_MAX_HEADERS
     endpoints_poll_interval_s: float = 0.5
     # Kubernetes discovery (docs/kubernetes.md): an InferencePool, or standalone.
     pool_name: str | None = None
@@ -102,6 +123,22 @@ class ServeOptions:
     # Protocol-front processes around this scheduling core (1 = all in this process).
     workers: int = 1
     log_level: str = "info"
+    # Shutdown (epp/server/drain.py): serve ext_proc for up to drain_timeout_s after
+    # SIGTERM, less once no stream has been in flight for drain_quiet_s.
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    drain_quiet_s: float = DEFAULT_DRAIN_QUIET_S
+
+    @property
+    def grpc_address(self) -> str:
+        return self.grpc_bind_address or self.bind_address
+
+    @property
+    def health_address(self) -> str:
+        return self.grpc_health_bind_address or self.bind_address
+
+    @property
+    def metrics_address(self) -> str:
+        return self.metrics_bind_address or self.bind_address
 
 
 class EppServer:
@@ -126,6 +163,8 @@ class EppServer:
         self.k8s_source: KubernetesSource | None = None
         self.elector: LeaderElector | None = None
         self.scraper: MetricsScraper | None = None
+        self.tracker = StreamTracker()  # ext_proc streams of this process (--workers 1)
+        self.draining = False
 
     async def start(self) -> None:
         o = self.options
@@ -190,11 +229,13 @@ class EppServer:
             await self.k8s_source.start()
         if self.elector is not None:
             self.elector.start()
-        log.info("epp serving ext_proc on %s:%d (health %d, metrics %d), %d endpoints",
-                 o.bind_address, o.grpc_port, o.grpc_health_port, o.metrics_port,
-                 len(self.store))
+        log.info("epp serving ext_proc on %s (health %s, metrics %s), %d endpoints",
+                 host_port(o.grpc_address, o.grpc_port),
+                 host_port(o.health_address, o.grpc_health_port),
+                 host_port(o.metrics_address, o.metrics_port), len(self.store))
 
     def _grpc_server(self, max_message: int) -> grpc.aio.Server:
+        """A grpc.aio server; ``max_message`` bounds messages both ways (-1: no bound)."""
         return grpc.aio.server(options=[
             # Without this a second process could bind the same port silently.
             ("grpc.so_reuseport", 0),
@@ -207,9 +248,9 @@ class EppServer:
             ("grpc.http2.max_ping_strikes", 0),
         ])
 
-    def _bind(self, server: grpc.aio.Server, port: int, what: str,
+    def _bind(self, server: grpc.aio.Server, address: str, port: int, what: str,
               credentials: grpc.ServerCredentials | None = None) -> None:
-        addr = f"{self.options.bind_address}:{port}"
+        addr = host_port(address, port)
         try:
             if credentials is not None:
                 bound = server.add_secure_port(addr, credentials)
@@ -223,13 +264,18 @@ class EppServer:
 
     async def _start_ext_proc(self) -> None:
         assert self.director is not None
-        # BUFFERED bodies arrive as one message: allow the body limit plus headroom, so an
-        # oversized body is answered with 413 rather than a gRPC error.
-        max_msg = self.options.max_request_body_bytes + (1 << 20)
-        server = self._grpc_server(max_msg)
+        # No gRPC message limit: a BUFFERED body arrives as one message, and one over
+        # --max-request-body-bytes must reach the handler to be answered with 413 (a gRPC
+        # limit would fail the stream: RESOURCE_EXHAUSTED, an empty 500 from Envoy). What
+        # bounds a message is Envoy's buffer (per_connection_buffer_limit_bytes); the
+        # ext_proc port should be reachable by the gateway only (--grpc-bind-address).
+        server = self._grpc_server(-1)
         pb_grpc.add_ExternalProcessorServicer_to_server(
-            ExtProcServicer(self.director, self.options.max_request_body_bytes,
-                            on_stream_end=self._stream_ended), server)
+            TrackedExtProc(ExtProcServicer(self.director, self.options.max_request_body_bytes,
+                                           on_stream_end=self._stream_ended,
+                                           max_headers=self.options.max_request_headers),
+                           self.tracker),
+            server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         credentials: grpc.ServerCredentials | None = None
         if self.options.secure_serving:
@@ -238,7 +284,8 @@ class EppServer:
             key, chain = (load_key_pair(self.options.cert_path) if self.options.cert_path
                           else self_signed_key_pair())
             credentials = grpc.ssl_server_credentials([(key, chain)])
-        self._bind(server, self.options.grpc_port, "ext_proc gRPC", credentials)
+        self._bind(server, self.options.grpc_address, self.options.grpc_port, "ext_proc gRPC",
+                   credentials)
         await server.start()
         self._grpc = server
 
@@ -247,17 +294,19 @@ class EppServer:
         assert self.core is not None
         o = self.options
         try:
-            check_port_free(o.bind_address, o.grpc_port)
+            check_port_free(o.grpc_address, o.grpc_port)
         except OSError as e:
-            raise StartupError(f"cannot listen for ext_proc gRPC on {o.bind_address}:"
-                               f"{o.grpc_port}: {e.strerror or e} (port in use? pick another "
-                               "with --grpc-port)") from e
+            raise StartupError(f"cannot listen for ext_proc gRPC on "
+                               f"{host_port(o.grpc_address, o.grpc_port)}: {e.strerror or e} "
+                               "(port in use? pick another with --grpc-port)") from e
         self._core_server = CoreServer(self.core, self._stream_ended)
         await self._core_server.start()
         self._fronts = FrontPool(n, front_argv(
             core_socket=self._core_server.path, grpc_port=o.grpc_port,
-            bind_address=o.bind_address, max_body=o.max_request_body_bytes,
-            secure_serving=o.secure_serving, cert_path=o.cert_path, grace=5.0,
+            bind_address=o.grpc_address, max_body=o.max_request_body_bytes,
+            max_headers=o.max_request_headers,
+            secure_serving=o.secure_serving, cert_path=o.cert_path,
+            drain_timeout=o.drain_timeout_s, drain_quiet=o.drain_quiet_s,
             log_level=o.log_level))
         await self._fronts.start()
         loop = asyncio.get_running_loop()
@@ -271,13 +320,14 @@ class EppServer:
                                    "connected within 30s")
             await asyncio.sleep(0.05)
         # A front connects before its gRPC server starts; wait until the port answers.
-        await wait_port("127.0.0.1" if o.bind_address in ("0.0.0.0", "::") else o.bind_address,
+        await wait_port("127.0.0.1" if o.grpc_address in ("0.0.0.0", "::") else o.grpc_address,
                         o.grpc_port, timeout=30)
 
     async def _start_health(self) -> None:
         server = self._grpc_server(4 << 20)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        self._bind(server, self.options.grpc_health_port, "gRPC health")
+        self._bind(server, self.options.health_address, self.options.grpc_health_port,
+                   "gRPC health")
         await server.start()
         self._health_server = server
 
@@ -327,14 +377,16 @@ class EppServer:
         app.router.add_get("/debug/decisions", decisions)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, self.options.bind_address, self.options.metrics_port)
+        address = self.options.metrics_address
+        site = web.TCPSite(runner, address, self.options.metrics_port)
         try:
             await site.start()
         except OSError as e:
             await runner.cleanup()
-            raise StartupError(f"cannot listen for metrics on {self.options.bind_address}:"
-                               f"{self.options.metrics_port}: {e.strerror or e} (port in use? "
-                               "pick another with --metrics-port)") from e
+            raise StartupError(f"cannot listen for metrics on "
+                               f"{host_port(address, self.options.metrics_port)}: "
+                               f"{e.strerror or e} (port in use? pick another with "
+                               "--metrics-port)") from e
         self._metrics_runner = runner
 
     def _kubernetes_options(self) -> KubernetesOptions | None:
@@ -388,7 +440,7 @@ class EppServer:
     async def _update_health(self) -> None:
         serving = health_pb2.HealthCheckResponse.SERVING
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
-        ready_now = (self.store.synced
+        ready_now = (not self.draining and self.store.synced
                      and (self.k8s_source is None or self.k8s_source.ready)
                      and (self.elector is None or self.elector.is_leader))
         ready = serving if ready_now else not_serving
@@ -397,8 +449,63 @@ class EppServer:
         await self._health.set(keys.HEALTH_EXT_PROC, ready)
         await self._health.set("", ready)
 
+    async def drain(self, timeout: float, quiet: float, stop_now: asyncio.Event) -> None:
+        """The first step of a graceful shutdown (epp/server/drain.py); :meth:`stop` follows.
+
+        Reports NOT_SERVING on readiness and the ext_proc health service at once (liveness
+        stays SERVING), releases the leader Lease (a standby takes over), and keeps the
+        ext_proc port serving — discovery and scraping keep running — until no stream has
+        been in flight for ``quiet`` seconds or ``timeout`` has passed; then stops the
+        ext_proc server, cancelling what still runs. With ``--workers N`` each worker
+        drains its own streams and exits; this returns once all have exited. Setting
+        ``stop_now`` ends it at once.
+        """
+        self.draining = True
+        await self._update_health()
+        release: asyncio.Future[None] | None = None
+        if self.elector is not None:
+            elector, self.elector = self.elector, None
+            release = asyncio.ensure_future(elector.stop())
+        try:
+            if self._fronts is not None:
+                await self._drain_fronts(timeout, quiet, stop_now)
+            elif self._grpc is not None:
+                await drain_server(self._grpc, self.tracker, timeout, quiet, stop_now)
+                self._grpc = None
+        finally:
+            if release is not None:
+                try:
+                    await release
+                except Exception:
+                    log.exception("releasing the leader Lease failed")
+
+    async def _drain_fronts(self, timeout: float, quiet: float, stop_now: asyncio.Event) -> None:
+        assert self._fronts is not None and self._core_server is not None
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        running = self._fronts.running()
+        log.info("drain started: %d ext_proc workers keep serving for up to %.1fs (less once "
+                 "none has a stream in flight for %.1fs); each logs its own counts", running,
+                 timeout, quiet)
+        # Workers that got the signal themselves (a process-group signal) already drain;
+        # the message is for those that did not (a signal to this process alone).
+        self._core_server.broadcast(["T", timeout, quiet])
+        # Each worker ends its drain by its deadline; the margin covers its stop and exit.
+        await self._fronts.wait_exited(timeout + 2.0, stop_now)
+        if stop_now.is_set():
+            self._core_server.broadcast(["S", None])
+            await self._fronts.wait_exited(2.0)
+        left = self._fronts.running()
+        log.log(logging.WARNING if left else logging.INFO,
+                "drain finished after %.1fs: %d of %d ext_proc workers exited%s",
+                loop.time() - start, running - left, running,
+                f", {left} still running are stopped now" if left else "")
+
     async def stop(self, grace: float = 5.0) -> None:
-        """Stop accepting streams, let running ones finish for ``grace`` seconds, close all."""
+        """Stop accepting streams, let running ones finish for ``grace`` seconds, close all.
+
+        After :meth:`drain` there is nothing left to wait for. Called directly it is the
+        immediate shutdown (no drain window)."""
         if self.elector is not None:
             await self.elector.stop()  # releases the Lease: a standby takes over at once
             self.elector = None
@@ -414,6 +521,8 @@ class EppServer:
             await self.scraper.stop()
             self.scraper = None
         if self._fronts is not None:
+            if self._core_server is not None:
+                self._core_server.broadcast(["S", grace])
             await self._fronts.stop(grace)
             self._fronts = None
         if self._core_server is not None:
@@ -431,11 +540,17 @@ class EppServer:
             self.tracing = None
 
 
-async def serve_forever(options: ServeOptions, stop_event: asyncio.Event) -> None:
+async def serve_forever(options: ServeOptions, stop_event: asyncio.Event,
+                        stop_now: asyncio.Event | None = None) -> None:
+    """Start, serve until ``stop_event``, drain (up to ``options.drain_timeout_s``), stop.
+
+    ``stop_now`` (a second SIGTERM/SIGINT) cuts the drain short."""
     server = EppServer(options)
     await server.start()
+    stop_now = stop_now if stop_now is not None else asyncio.Event()
     try:
         await stop_event.wait()
+        await server.drain(options.drain_timeout_s, options.drain_quiet_s, stop_now)
     finally:
         log.info("shutting down")
-        await server.stop()
+        await server.stop(0)

@@ -18,11 +18,19 @@ scheduling state (prefix index, in-flight counts, metrics):
 Wire format on the socket: frames of a 4-byte big-endian length and an orjson array.
 Front → core: ``["R", id, request, subset]`` (decide), ``["C", ticket, status, aborted,
 usage]`` (complete), ``["J", model, target, status]`` (rejected before scheduling),
-``["O", outcome]`` (stream outcome). Core → front: ``["D", id, destination, set_headers,
-response_headers, ticket]`` or ``["E", id, status, message, error_type]``. Frames queue in
+``["O", outcome]`` (stream outcome), ``["U", address]`` (Envoy could not connect to that
+endpoint). Core → front: ``["D", id, destination, set_headers,
+response_headers, ticket]`` or ``["E", id, status, message, error_type]``, and the
+shutdown controls ``["T", timeout, quiet]`` (drain: epp/server/drain.py) and ``["S",
+grace]`` (stop now, running streams get ``grace`` seconds; null: cancelled). Frames queue in
 the socket buffers, so a busy core reads and answers them in batches. When a front's
 connection drops, the core completes that front's open requests as aborted; when the core
-goes away, fronts exit.
+goes away, fronts stop at once.
+
+Shutdown: a SIGTERM/SIGINT to the core (or to the whole process group) makes every front
+drain like a single process does — NOT_SERVING on the ext_proc port's health service,
+new streams still served, exit once idle or at the drain timeout — while the core keeps
+deciding for them; the core exits when all fronts have. A second signal stops at once.
 """
 
 from __future__ import annotations
@@ -31,12 +39,12 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import socket
 import struct
 import sys
 import tempfile
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import grpc
 import orjson
@@ -45,10 +53,19 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from epp import keys
 from epp.errors import EppError
-from epp.handlers.extproc import ExtProcServicer
+from epp.handlers.extproc import DEFAULT_MAX_HEADERS, ExtProcServicer
 from epp.parsing.usage import Usage
 from epp.requestcontrol.director import Decision, Director, SchedulingCore
 from epp.scheduling.types import ApiType, LLMRequest
+from epp.server.drain import (
+    DEFAULT_DRAIN_QUIET_S,
+    DEFAULT_DRAIN_TIMEOUT_S,
+    StreamTracker,
+    TrackedExtProc,
+    drain_server,
+    install_shutdown_signals,
+    stop_server,
+)
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +108,7 @@ class CoreServer:
         self.path = os.path.join(self._dir, "core.sock")
         self._server: asyncio.base_events.Server | None = None
         self._conns: set[asyncio.Task[None]] = set()
+        self._writers: set[asyncio.StreamWriter] = set()
         self.connected = asyncio.Event()
         self.fronts = 0
 
@@ -101,6 +119,7 @@ class CoreServer:
         task = asyncio.current_task()
         assert task is not None
         self._conns.add(task)
+        self._writers.add(writer)
         self.fronts += 1
         self.connected.set()
         tickets: dict[int, Any] = {}
@@ -131,6 +150,8 @@ class CoreServer:
                     core.reject(msg[1], msg[2], msg[3])
                 elif kind == "O":
                     self.on_outcome(msg[1])
+                elif kind == "U":
+                    core.upstream_failed(msg[1])
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
@@ -138,7 +159,15 @@ class CoreServer:
             for t in tickets.values():  # the front went away: its requests are aborted
                 core.complete(t, 0, True, None)
             writer.close()
+            self._writers.discard(writer)
             self._conns.discard(task)
+
+    def broadcast(self, msg: Sequence[Any]) -> None:
+        """Send a control frame (``T`` or ``S``) to every connected front."""
+        frame = _frame(msg)
+        for w in self._writers:
+            if not w.is_closing():
+                w.write(frame)
 
     async def stop(self) -> None:
         if self._server is not None:
@@ -180,14 +209,34 @@ class FrontPool:
     def exited(self) -> list[int]:
         return [p.returncode for p in self.procs if p.returncode is not None]
 
+    def running(self) -> int:
+        return sum(p.returncode is None for p in self.procs)
+
+    async def wait_exited(self, timeout: float, stop_now: asyncio.Event | None = None) -> None:
+        """Until every front has exited, ``timeout`` passes, or ``stop_now`` is set."""
+        waiters = [asyncio.ensure_future(p.wait()) for p in self.procs if p.returncode is None]
+        if not waiters:
+            return
+        everyone = asyncio.ensure_future(asyncio.wait(waiters))
+        pending: set[asyncio.Future[Any]] = {everyone}
+        stop: asyncio.Future[Any] | None = None
+        if stop_now is not None:
+            stop = asyncio.ensure_future(stop_now.wait())
+            pending.add(stop)
+        try:
+            await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for f in (everyone, stop, *waiters):
+                if f is not None:
+                    f.cancel()
+
     async def stop(self, grace: float) -> None:
+        """Wait up to ``grace`` + 2 s for the fronts to exit (the caller has told them to
+        stop over the core socket; a front that is not connected exits when the socket
+        goes), then SIGKILL what is left."""
+        await self.wait_exited(grace + 2)
         for p in self.procs:
             if p.returncode is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                await asyncio.wait_for(p.wait(), timeout=grace + 2)
-            except asyncio.TimeoutError:
                 p.kill()
                 await p.wait()
 
@@ -198,9 +247,11 @@ class FrontPool:
 class RemoteCore:
     """A CoreClient that reaches the core over its Unix socket."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 on_control: Callable[[list[Any]], None] | None = None) -> None:
         self._reader = reader
         self._writer = writer
+        self._on_control = on_control
         self._pending: dict[int, asyncio.Future[Decision]] = {}
         self._next = 0
         self.closed = asyncio.Event()
@@ -210,8 +261,16 @@ class RemoteCore:
         try:
             while True:
                 msg = await _read_frame(self._reader)
+                if msg[0] in ("T", "S"):  # shutdown controls, not answers
+                    if self._on_control is not None:
+                        self._on_control(msg)
+                    continue
                 fut = self._pending.pop(msg[1], None)
                 if fut is None or fut.done():
+                    if msg[0] == "D":
+                        # The stream went away while the core decided: the decision is
+                        # counted there, so hand it back as aborted (nothing leaks).
+                        self.complete(msg[5], 0, True, None)
                     continue
                 if msg[0] == "D":
                     fut.set_result(Decision(msg[2], msg[3], msg[4], msg[5]))
@@ -249,33 +308,60 @@ class RemoteCore:
     def outcome(self, outcome: str) -> None:
         self._send(["O", outcome])
 
+    def upstream_failed(self, address: str) -> None:
+        self._send(["U", address])
+
     def _send(self, msg: list[Any]) -> None:
         if not self.closed.is_set():
             self._writer.write(_frame(msg))
 
 
 async def run_front(args: argparse.Namespace) -> int:
+    what = f"ext_proc worker {os.getpid()}"
+    drain = asyncio.Event()  # first SIGTERM/SIGINT, or the core's "T"
+    stop_now = asyncio.Event()  # second signal, core gone, or "S" while draining
+    stop_req = asyncio.Event()  # the core's "S" before any drain: stop with its grace
+    install_shutdown_signals(drain, stop_now, what)
+    drain_params = [float(args.drain_timeout), float(args.drain_quiet_period)]
+    stop_grace: list[float | None] = [None]
+
+    def on_control(msg: list[Any]) -> None:
+        if msg[0] == "T":
+            if not drain.is_set():
+                drain_params[:] = [float(msg[1]), float(msg[2])]
+                drain.set()
+        elif drain.is_set():  # "S" while draining: stop at once
+            stop_now.set()
+        else:
+            stop_grace[0] = None if msg[1] is None else float(msg[1])
+            stop_req.set()
+
     reader, writer = await asyncio.open_unix_connection(args.core_socket)
-    core = RemoteCore(reader, writer)
+    core = RemoteCore(reader, writer, on_control)
     director = Director(core)
-    max_msg = args.max_request_body_bytes + (1 << 20)
+    # No message limit, as in one process (epp/server/app.py, _start_ext_proc): a BUFFERED
+    # body over --max-request-body-bytes must reach the handler to get its 413.
     server = grpc.aio.server(options=[
         ("grpc.so_reuseport", 1),
-        ("grpc.max_receive_message_length", max_msg),
-        ("grpc.max_send_message_length", max_msg),
+        ("grpc.max_receive_message_length", -1),
+        ("grpc.max_send_message_length", -1),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 1000),
         ("grpc.http2.max_ping_strikes", 0),
     ])
+    tracker = StreamTracker()
     pb_grpc.add_ExternalProcessorServicer_to_server(
-        ExtProcServicer(director, args.max_request_body_bytes, on_stream_end=core.outcome,
-                        observer_supported=False),
+        TrackedExtProc(ExtProcServicer(director, args.max_request_body_bytes,
+                                       on_stream_end=core.outcome, observer_supported=False,
+                                       max_headers=args.max_request_headers),
+                       tracker),
         server)
     hs = health.aio.HealthServicer()
     for svc in (keys.HEALTH_LIVENESS, keys.HEALTH_READINESS, keys.HEALTH_EXT_PROC, ""):
         await hs.set(svc, health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
-    addr = f"{args.bind_address}:{args.grpc_port}"
+    address = args.bind_address
+    addr = f"[{address}]:{args.grpc_port}" if ":" in address else f"{address}:{args.grpc_port}"
     if args.secure_serving:
         from epp.server.tls import load_key_pair, self_signed_key_pair
 
@@ -284,25 +370,43 @@ async def run_front(args: argparse.Namespace) -> int:
     else:
         server.add_insecure_port(addr)
     await server.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    closed = asyncio.ensure_future(core.closed.wait())
-    stopped = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({closed, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    await server.stop(args.grace)
+    events = (core.closed, stop_now, drain, stop_req)
+    waiters = [asyncio.ensure_future(e.wait()) for e in events]
+    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    for w in waiters:
+        w.cancel()
+    if core.closed.is_set() or stop_now.is_set():
+        await server.stop(None)
+    elif stop_req.is_set():
+        await stop_server(server, stop_grace[0], stop_now)
+    else:
+        for svc in (keys.HEALTH_READINESS, keys.HEALTH_EXT_PROC, ""):
+            await hs.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+        async def core_gone() -> None:
+            await core.closed.wait()
+            stop_now.set()
+
+        watch = asyncio.ensure_future(core_gone())
+        try:
+            await drain_server(server, tracker, drain_params[0], drain_params[1], stop_now,
+                               what)
+        finally:
+            watch.cancel()
     writer.close()
     return 0
 
 
 def front_argv(*, core_socket: str, grpc_port: int, bind_address: str, max_body: int,
-               secure_serving: bool, cert_path: str | None, grace: float,
-               log_level: str) -> list[str]:
+               secure_serving: bool, cert_path: str | None, log_level: str,
+               drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
+               drain_quiet: float = DEFAULT_DRAIN_QUIET_S,
+               max_headers: int = DEFAULT_MAX_HEADERS) -> list[str]:
     argv = [sys.executable, "-m", "epp.server.workers", "--core-socket", core_socket,
             "--grpc-port", str(grpc_port), "--bind-address", bind_address,
-            "--max-request-body-bytes", str(max_body), "--grace", str(grace),
-            "--log-level", log_level]
+            "--max-request-body-bytes", str(max_body), "--max-request-headers",
+            str(max_headers), "--drain-timeout", str(drain_timeout),
+            "--drain-quiet-period", str(drain_quiet), "--log-level", log_level]
     if secure_serving:
         argv.append("--secure-serving")
     if cert_path:
@@ -318,9 +422,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--grpc-port", type=int, required=True)
     p.add_argument("--bind-address", default="0.0.0.0")
     p.add_argument("--max-request-body-bytes", type=int, required=True)
+    p.add_argument("--max-request-headers", type=int, default=DEFAULT_MAX_HEADERS)
     p.add_argument("--secure-serving", action="store_true")
     p.add_argument("--cert-path")
-    p.add_argument("--grace", type=float, default=5.0)
+    p.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
+                   help="seconds (epp serve --drain-timeout)")
+    p.add_argument("--drain-quiet-period", type=float, default=DEFAULT_DRAIN_QUIET_S,
+                   help="seconds (epp serve --drain-quiet-period)")
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     from epp.observability.logging import setup_logging

@@ -93,7 +93,7 @@ async def _demo(args: argparse.Namespace) -> int:
     endpoints = workdir / "endpoints.yaml"
     endpoints.write_text(yaml.safe_dump({"endpoints": [
         {"address": "127.0.0.1", "port": p, "name": f"sim-{p}"} for p in epp_ports]}))
-    epp_argv = [sys.executable, "-m", "epp.cli", "serve", "--bind-address", "127.0.0.1",
+    epp_argv = [sys.executable, "-m", "epp.cli", "serve", "--drain-quiet-period", "0", "--bind-address", "127.0.0.1",
                 "--grpc-port", str(grpc_port), "--grpc-health-port", str(health_port),
                 "--metrics-port", str(metrics_port), "--endpoints-file", str(endpoints),
                 "--log-level", "warning"]

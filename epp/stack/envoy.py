@@ -89,6 +89,7 @@ _OBSERVER_FILTER: Final = """\
               # How long the stream may outlive the request (an aborted response is
               # noticed when it closes).
               deferred_close_timeout: 1s
+              response_attributes: [response.flags, upstream.address]
               processing_mode:
                 request_header_mode: SEND
                 response_header_mode: SEND

@@ -254,7 +254,7 @@ class PdStack:
             self._stack.push_async_callback(proc.stop)
             await proc.start()
             self.sims.append(proc)
-        epp_argv = [sys.executable, "-m", "epp.cli", "serve", "--bind-address", "127.0.0.1",
+        epp_argv = [sys.executable, "-m", "epp.cli", "serve", "--drain-quiet-period", "0", "--bind-address", "127.0.0.1",
                     "--grpc-port", str(self.grpc_port),
                     "--grpc-health-port", str(self.health_port),
                     "--metrics-port", str(self.metrics_port),

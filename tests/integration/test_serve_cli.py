@@ -22,7 +22,7 @@ def run_epp(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]
 
 
 def serve_args(**ports: int) -> list[str]:
-    return ["serve", "--bind-address", "127.0.0.1",
+    return ["serve", "--drain-quiet-period", "0", "--bind-address", "127.0.0.1",
             "--grpc-port", str(ports.get("grpc", free_port())),
             "--grpc-health-port", str(ports.get("health", free_port())),
             "--metrics-port", str(ports.get("metrics", free_port()))]

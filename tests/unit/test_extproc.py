@@ -48,6 +48,9 @@ class FakeDirector:
     def on_rejected(self, headers: Mapping[str, str], status: int) -> None:
         self.calls.append(("rejected", status))
 
+    def on_upstream_failure(self, context: Any, address: str) -> None:
+        self.calls.append(("upstream_failure", context, address))
+
 
 def headers_msg(mode: int = FD, eos: bool = False, extra: dict[str, str] | None = None,
                 subset: list[str] | None = None, resp_mode: int | None = None) -> pb.ProcessingRequest:
@@ -490,3 +493,36 @@ async def test_routing_header_that_would_cross_the_limit_is_431_and_completed() 
     assert await s.handle(headers_msg(FD, extra=extra)) == []
     out = await s.handle(body_msg(BODY, eos=True))
     assert out[0].HasField("request_headers")
+
+
+def _response_headers(status: int, flags: int | None, address: str | None) -> pb.ProcessingRequest:
+    msg = pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=HeaderMap(
+        headers=[HeaderValue(key=":status", raw_value=str(status).encode())])))
+    if flags is not None:
+        attrs: dict[str, object] = {"response.flags": flags,
+                                    "response.code_details": "upstream_reset_before_response_"
+                                    "started{remote_connection_failure}"}
+        if address is not None:
+            attrs["upstream.address"] = address
+        msg.attributes["envoy.filters.http.ext_proc"].update(attrs)
+    return msg
+
+
+async def test_envoy_connect_failure_attributes_name_the_endpoint() -> None:
+    d = FakeDirector(Routing("10.0.0.1:8000,10.0.0.2:8000", context="ctx"))
+    s = ExtProcStream(d, 1 << 20)
+    await s.handle(headers_msg(eos=True))
+    await s.handle(_response_headers(503, 0x20, "10.0.0.2:8000"))
+    assert ("upstream_failure", "ctx", "10.0.0.2:8000") in d.calls
+    # Without the address: the primary. Other flags (e.g. 0x10, a remote reset): nothing.
+    d2 = FakeDirector(Routing("10.0.0.1:8000,10.0.0.2:8000", context="c2"))
+    s2 = ExtProcStream(d2, 1 << 20)
+    await s2.handle(headers_msg(eos=True))
+    await s2.handle(_response_headers(503, 0x20 | 0x4, None))
+    assert ("upstream_failure", "c2", "10.0.0.1:8000") in d2.calls
+    for flags in (None, 0x10, 0):
+        d3 = FakeDirector()
+        s3 = ExtProcStream(d3, 1 << 20)
+        await s3.handle(headers_msg(eos=True))
+        await s3.handle(_response_headers(200 if flags is None else 503, flags, "10.0.0.1:8000"))
+        assert not [c for c in d3.calls if c[0] == "upstream_failure"]

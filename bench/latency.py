@@ -22,7 +22,13 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from epp.stack.envoy import EnvoyProcess, render_envoy_config, without_ext_proc
+from epp.stack.envoy import (
+    DEFAULT_RESPONSE_PATH,
+    RESPONSE_PATHS,
+    EnvoyProcess,
+    render_envoy_config,
+    without_ext_proc,
+)
 from epp.stack.procs import ManagedProcess, free_port, wait_port
 
 
@@ -74,7 +80,7 @@ async def main_async(args: argparse.Namespace) -> None:
         for p in [*pods, grpc_port]:
             await wait_port("127.0.0.1", p, 20)
         cfg = render_envoy_config(listen_port=gw_epp, epp_port=grpc_port, admin_port=free_port(),
-                                  body_mode=args.body_mode)
+                                  body_mode=args.body_mode, response_path=args.response_path)
         await e1.start(cfg, work / "e1", concurrency=args.envoy_workers)
         cfg2 = render_envoy_config(listen_port=gw_direct, epp_port=grpc_port,
                                    admin_port=free_port(), body_mode=args.body_mode)
@@ -87,7 +93,8 @@ async def main_async(args: argparse.Namespace) -> None:
         conn = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=conn) as session:
             print(f"# {args.requests} requests per path per concurrency, body {len(body)} B, "
-                  f"{args.pods} pods, Envoy {args.body_mode}, blocks of {args.block}")
+                  f"{args.pods} pods, Envoy {args.body_mode}, response path "
+                  f"{args.response_path}, blocks of {args.block}")
             print("| path | concurrency | p50 ms | p90 ms | p99 ms |")
             print("|---|---|---|---|---|")
             for conc in args.concurrency:
@@ -123,6 +130,9 @@ def main() -> None:
     ap.add_argument("--envoy-workers", type=int, default=1)
     ap.add_argument("--body-mode", default="FULL_DUPLEX_STREAMED",
                     choices=["FULL_DUPLEX_STREAMED", "BUFFERED"])
+    ap.add_argument("--response-path", default=DEFAULT_RESPONSE_PATH, choices=list(RESPONSE_PATHS),
+                    help="the gateway shape of the EPP's Envoy (default lean: response headers "
+                    "only; inline: GIE's shape; observer: the split response path)")
     args = ap.parse_args()
     args.concurrency = args.concurrency or [1, 8]
     asyncio.run(main_async(args))

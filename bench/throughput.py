@@ -30,7 +30,13 @@ from pathlib import Path
 
 import orjson
 
-from epp.stack.envoy import RESPONSE_PATHS, EnvoyProcess, render_envoy_config, without_ext_proc
+from epp.stack.envoy import (
+    DEFAULT_RESPONSE_PATH,
+    RESPONSE_PATHS,
+    EnvoyProcess,
+    render_envoy_config,
+    without_ext_proc,
+)
 from epp.stack.procs import ManagedProcess, free_port, wait_port
 
 UPSTREAM_YAML = """\
@@ -271,9 +277,10 @@ def main() -> None:
                     "answer; long-prompt = 200 KB body; sse = 2 KB body, answer streamed "
                     "as 100 SSE events")
     ap.add_argument("--response-path", action="append", choices=list(RESPONSE_PATHS),
-                    help="the gateway's response path (repeatable; default both): inline = "
-                    "one ext_proc filter, every response chunk through the EPP and back; "
-                    "observer = routing filter + observability-mode filter")
+                    help="the gateway shape (repeatable; default lean): lean = one ext_proc "
+                    "filter, response headers only, never a response body chunk (the "
+                    "shipped default); inline = GIE's shape, every response chunk through "
+                    "the EPP and back; observer = routing filter + observability-mode filter")
     ap.add_argument("--sse-gap-ms", type=float, default=1.0,
                     help="gap between the sse load's events (default 1 ms)")
     ap.add_argument("--envoy-workers", type=int, default=2)
@@ -287,7 +294,7 @@ def main() -> None:
     args.concurrency = args.concurrency or [16, 64]
     args.workers = args.workers or [1]
     args.load = args.load or list(LOADS)
-    args.response_path = args.response_path or list(RESPONSE_PATHS)
+    args.response_path = args.response_path or [DEFAULT_RESPONSE_PATH]
     if args.smoke:
         args.duration, args.warmup, args.concurrency = 1.0, 0.5, [8]
     rows = asyncio.run(main_async(args))

@@ -239,11 +239,13 @@ def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--body-mode", default="FULL_DUPLEX_STREAMED",
                    choices=["FULL_DUPLEX_STREAMED", "BUFFERED"],
                    help="Envoy ext_proc request body mode (default FULL_DUPLEX_STREAMED)")
-    p.add_argument("--response-path", default="inline", choices=["inline", "observer"],
-                   help="inline: one ext_proc filter that also passes the response through "
-                   "the EPP (GIE's shape, default); observer: a routing filter plus an "
-                   "observability-mode filter, the EPP off the response path "
-                   "(docs/architecture.md, \"Response observer\")")
+    p.add_argument("--response-path", default="lean", choices=["lean", "inline", "observer"],
+                   help="the gateway shape (docs/architecture.md, \"Gateway shapes\"). lean "
+                   "(default): the EPP gets the response headers, never a response body "
+                   "chunk (no per-request token usage, no model-name rewrite-back); inline: "
+                   "one ext_proc filter that also passes the response through the EPP "
+                   "(GIE's shape); observer: a routing filter plus an observability-mode "
+                   "filter, the EPP off the response path")
     p.add_argument("--sim-args", default="",
                    help="extra arguments for every `epp sim` process, e.g. \"--max-num-seqs 8\"")
     p.add_argument("--no-compare", dest="compare", action="store_false",

@@ -1,6 +1,7 @@
 """``epp bench``: routing quality, side by side.
 
-For each router — this EPP behind Envoy (ext_proc), Envoy round robin, Envoy random, and
+For each router — this EPP behind Envoy (ext_proc, the lean gateway shape; ``epp-inline``
+for GIE's), Envoy round robin, Envoy random, and
 ``sglang-router --policy cache_aware`` when it can be installed — start *fresh*
 simulated pods (one ``epp sim`` process per pod, cold caches), the router in front of
 them, and play the same open-loop trace (:mod:`epp.bench.traces`) through it. Then
@@ -40,7 +41,15 @@ import yaml
 from epp.bench.ceiling import Replay, ceiling
 from epp.bench.runner import Result, stream_chat
 from epp.bench.traces import WORKLOADS, SimCosts, TraceRequest, capacity, default_shape, make_trace
-from epp.stack.envoy import EnvoyProcess, render_envoy_config, without_ext_proc
+from epp.stack.envoy import (
+    DEFAULT_RESPONSE_PATH,
+    RESPONSE_PATH_INLINE,
+    RESPONSE_PATH_LEAN,
+    RESPONSE_PATH_OBSERVER,
+    EnvoyProcess,
+    render_envoy_config,
+    without_ext_proc,
+)
 from epp.stack.procs import ManagedProcess, free_port, wait_port
 
 MODEL: Final = "sim-model"
@@ -64,9 +73,16 @@ TARGET_TTFT_P90_VS_RR_SHARED_PREFIX: Final = 0.75
 # ----------------------------------------------------------------- routers
 
 
-#: Not in the default set: the EPP behind Envoy with the split response path (a routing
-#: filter plus an observability-mode filter; docs/architecture.md "Response observer").
+#: Not in the default set: the EPP behind Envoy in GIE's gateway shape (the response
+#: through the EPP too; docs/architecture.md "Gateway shapes"), for comparison with the
+#: shipped lean shape the ``epp`` router uses ...
+EPP_INLINE: Final = "epp-inline"
+#: ... and with the split response path (a routing filter plus an observability-mode
+#: filter; docs/architecture.md "Response observer").
 EPP_OBSERVER: Final = "epp-observer"
+#: EPP router name → the Envoy gateway shape it runs behind.
+EPP_ROUTERS: Final[dict[str, str]] = {"epp": RESPONSE_PATH_LEAN, EPP_INLINE: RESPONSE_PATH_INLINE,
+                                      EPP_OBSERVER: RESPONSE_PATH_OBSERVER}
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,28 +90,30 @@ class RouterSpec:
     kind: str
     label: str
     config: str | None = None
-    response_path: str = "inline"
+    response_path: str = DEFAULT_RESPONSE_PATH
 
 
 def parse_routers(text: str, config: str | None) -> list[RouterSpec]:
     """``epp,round-robin,random,sglang``; ``epp=FILE`` adds an EPP with that config
     (labelled ``epp:<file stem>``), so configs can be compared in one run;
-    ``epp-observer[=FILE]`` is the EPP behind the split response path."""
+    ``epp-inline[=FILE]`` is the EPP behind GIE's gateway shape (``epp`` runs behind the
+    lean one), ``epp-observer[=FILE]`` behind the split response path."""
     out: list[RouterSpec] = []
     for item in (t.strip() for t in text.split(",")):
         if not item:
             continue
         kind, _, path = item.partition("=")
-        if kind not in ROUTERS and kind != EPP_OBSERVER:
+        if kind not in ROUTERS and kind not in EPP_ROUTERS:
             raise ValueError(f"unknown router {kind!r}; expected {', '.join(ROUTERS)} "
-                             f"(or epp=CONFIG_FILE, {EPP_OBSERVER}[=CONFIG_FILE])")
-        if path and kind not in ("epp", EPP_OBSERVER):
+                             f"(or epp=CONFIG_FILE, {EPP_INLINE}[=CONFIG_FILE], "
+                             f"{EPP_OBSERVER}[=CONFIG_FILE])")
+        if path and kind not in EPP_ROUTERS:
             raise ValueError(f"only epp takes a config file, got {item!r}")
-        if kind in ("epp", EPP_OBSERVER):
+        if kind in EPP_ROUTERS:
             cfg = path or config
             label = f"{kind}:{Path(path).stem}" if path else kind
             out.append(RouterSpec("epp", label, str(Path(cfg).resolve()) if cfg else None,
-                                  "observer" if kind == EPP_OBSERVER else "inline"))
+                                  EPP_ROUTERS[kind]))
         else:
             out.append(RouterSpec(kind, kind))
     labels = [r.label for r in out]
@@ -763,7 +781,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-requests", type=int, default=None,
                    help="cap on requests per router (default: the trace's length)")
     p.add_argument("--routers", default=",".join(ROUTERS),
-                   help="comma-separated: epp, round-robin, random, sglang, epp=CONFIG, "
+                   help="comma-separated: epp (behind the lean gateway shape), "
+                   "round-robin, random, sglang, epp=CONFIG, epp-inline[=CONFIG] (the EPP "
+                   "behind GIE's shape, every response chunk through it), "
                    "epp-observer[=CONFIG] (the split response path) "
                    f"(default {','.join(ROUTERS)})")
     p.add_argument("--config", help="EndpointPickerConfig for the `epp` router "

@@ -12,19 +12,45 @@ names the endpoint engine's mapping asks for are tokenized; unchanged lines hit 
 cache) and mapped by the endpoint's :class:`~epp.datalayer.engines.EngineMapping`.
 A scrape that succeeds but lacks a required signal (waiting, running, KV usage) is a
 partial success, as in GIE: the found values are used, the missing ones keep their
-previous values, and the gap is logged. Polls of one endpoint are spaced ``interval``
-apart start to start, ±10 % (a slow poll delays the next one; missed ticks are not
-replayed); each endpoint starts at a random phase, and re-phases randomly after falling
-behind, so 200 endpoints never fire in one burst.
+previous values, and the gap is logged; a body with none of them is a failed scrape.
+Polls of one endpoint are spaced ``interval`` apart start to start, ±10 % (a slow poll
+delays the next one; missed ticks are not replayed); each endpoint starts at a random
+phase, and re-phases randomly after falling behind, so 200 endpoints never fire in one
+burst.
 
-Failures and staleness: an error (connect failure, timeout, non-200, malformed text) is
-logged when it differs from the endpoint's previous error — not once per poll — and a
+Failures and staleness: an error (connect failure, timeout, non-200, oversized or
+malformed body) is logged when it differs in kind from the endpoint's previous error —
+not once per poll, and not again when only a garbage body's details change — and a
 recovery is logged once. A failing endpoint is polled less often (the interval doubles
-per consecutive failure, up to the ceiling below) so dead pods do not crowd out live
-ones. An endpoint keeps its last values; once its last successful scrape is older than
-``staleness_threshold_s`` (checked on every failed poll and by a sweeper every
-``sweep_period_s``, so also while a poll hangs) its metrics are re-published with
-``stale=True``. An endpoint is never dropped by the scraper.
+per consecutive failure, up to the ceiling below and at most ``MAX_FAILURE_BACKOFF_S``,
+1 s) so dead pods do not crowd out live ones. An endpoint keeps its last values; once
+its last successful scrape is older than ``staleness_threshold_s`` (checked on every
+failed poll and by a sweeper every ``sweep_period_s``, so also while a poll hangs) its
+metrics are re-published with ``stale=True``. Stale endpoints are still scheduled.
+
+Unreachable endpoints: a poll that fails at the connection level before any response —
+refused, reset, or closed by the peer — marks the endpoint ``Metrics.unreachable`` at
+once (a SIGKILLed pod whose address is still listed refuses connections); so do
+``UNREACHABLE_AFTER_TIMEOUTS`` (3) polls in a row that get no response headers within the
+timeout (a node gone dark, a frozen process; about 3 × ``timeout_s``). The datastore
+leaves unreachable endpoints out of the scheduler's candidates (``Datastore.routable``)
+unless every endpoint is unreachable (fail open). Any HTTP answer clears the mark — a
+successful scrape, but also an error status or a bad body, since the pod's server is
+evidently up; TLS errors and slow bodies do not set it. The scraper never drops an
+endpoint from the datastore: discovery owns the set. Timing at the defaults: a dead
+pod is marked by the first poll after its death (≤ one interval, 50 ms, more under
+load shedding) plus the commit delay (10 ms); a restarted one is noticed within the
+failure backoff (≤ ``min(ceiling, 1 s)``, 0.5 s by default, ±10 %).
+
+Untrusted bodies: a pod's /metrics is input the EPP cannot trust. The body is read
+chunk by chunk and the read aborts as soon as it exceeds ``max_body_bytes`` (also
+without a Content-Length), so one poll holds at most about that much; a pod that
+accepts and never answers, or trickles bytes, is cut off by the per-poll timeout. The body
+is decoded as it arrives; one that is not UTF-8 fails the poll at its first invalid
+chunk (strictly, as Prometheus reads the format: replacing the bytes of 4 MiB of binary
+would cost ~90 ms of loop time, and an error on the whole body copies it), the lines read are bounded in
+number, length and total size (:class:`_BoundedIndex`), as is the shared line cache
+(:class:`_LineCache`), so garbage costs bounded time and memory and fails the poll.
 
 Datastore writes and the scheduler's snapshot — the cost model. Every
 ``Datastore.update_metrics`` replaces an Endpoint and invalidates the cached snapshot the
@@ -56,6 +82,7 @@ say what it achieved (docs/benchmarks.md has the numbers).
 from __future__ import annotations
 
 import asyncio
+import codecs
 import logging
 import random
 import ssl
@@ -78,6 +105,25 @@ log = logging.getLogger(__name__)
 
 _ACCEPT = "text/plain;version=0.0.4;q=1,*/*;q=0.1"
 
+#: Default cap on a /metrics body (``--model-server-metrics-max-bytes``). vLLM's body is
+#: typically 50-500 KB, a few MB with many LoRA adapters; the cap bounds the memory one
+#: poll can take (the body is buffered up to it, then decoded) — see docs/configuration.md.
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+#: Consecutive polls without response headers (timeouts) that mark an endpoint
+#: unreachable; a connection error marks it at once.
+UNREACHABLE_AFTER_TIMEOUTS = 3
+#: The longest gap between polls of a failing endpoint (the failure backoff's bound,
+#: unless load shedding has stretched the normal interval beyond it): how late the
+#: recovery of a restarted pod can be noticed.
+MAX_FAILURE_BACKOFF_S = 1.0
+# Limits on the work one body can cause (_BoundedIndex, _LineCache).
+_MAX_SAMPLES_PER_NAME = 1024
+_MAX_SAMPLE_LINE = 64 << 10
+_MAX_SAMPLE_TEXT = 128 << 10
+_MAX_CACHED_LINE = 4096
+_LINE_CACHE_CHARS = 512 << 10
+_MAX_LOGGED_PROBLEM = 300  # characters of an error message that reach the log
+
 
 @dataclass(frozen=True)
 class ScrapeOptions:
@@ -94,7 +140,8 @@ class ScrapeOptions:
       (0 = at once, one snapshot invalidation per write).
     - ``freshness_resolution_s``: unchanged values are re-written (to refresh
       ``updated_at``) at most this often; None = ``min(2 × interval, threshold / 4)``.
-    - ``max_body_bytes``: a larger /metrics body is an error.
+    - ``max_body_bytes``: a larger /metrics body is an error; the read stops at this many
+      bytes (``--model-server-metrics-max-bytes``).
     - ``max_loop_lag_s``: load-shedding target (p90 event-loop lag); None = off.
     - ``max_interval_s``: the longest interval load shedding and failure backoff
       stretch to; None = ``threshold / 4``.
@@ -111,7 +158,7 @@ class ScrapeOptions:
     max_concurrency: int = 64
     commit_interval_s: float = 0.01
     freshness_resolution_s: float | None = None
-    max_body_bytes: int = 16 << 20
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_loop_lag_s: float | None = 0.003
     max_interval_s: float | None = None
     lag_probe_period_s: float = 0.01
@@ -133,6 +180,9 @@ class ScrapeOptions:
                               f"{self.path!r}")
         if self.port is not None and not 0 < self.port < 65536:
             raise ConfigError(f"--model-server-metrics-port must be 1..65535, got {self.port}")
+        if self.max_body_bytes < 1024:
+            raise ConfigError(f"--model-server-metrics-max-bytes must be >= 1024, got "
+                              f"{self.max_body_bytes}")
         if self.max_concurrency < 1:
             raise ConfigError(f"max scrape concurrency must be >= 1, got {self.max_concurrency}")
         if self.commit_interval_s < 0:
@@ -159,8 +209,120 @@ class ScrapeOptions:
         return max(self.interval_s, min(self.staleness_threshold_s / 8, 0.25))
 
 
+# How a poll failed (_ScrapeFailure.kind). Only _CONNECTION and _TIMEOUT say anything
+# about reachability; every other kind means the pod's server answered.
+_CONNECTION = "connection"  # refused, reset, or closed before a response
+_TIMEOUT = "timeout"  # no response headers within the poll timeout
+_BAD_RESPONSE = "response"  # an answer, but not a usable one (status, size, body)
+_MALFORMED = "malformed"  # the body's wanted lines do not parse, or exceed the limits
+_INTERNAL = "internal"  # a bug in the scraper
+
+
+_utf8_decoder = codecs.getincrementaldecoder("utf-8")
+
+
 class _ScrapeFailure(Exception):
-    """A poll failed in an expected way; the message is what gets logged."""
+    """A poll failed in an expected way; the message is what gets logged.
+
+    ``kind`` classifies it (the constants above); ``key`` identifies the error for
+    logging: a problem is logged when its key differs from the previous one, so a body
+    whose garbage changes every poll is logged once, not once per poll.
+    """
+
+    def __init__(self, message: str, kind: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.key = key or kind
+
+
+class _LineCache(dict[str, promparse.Sample]):
+    """SampleIndex's shared line cache, bounded in text as well as in entries.
+
+    ``SampleIndex`` clears a cache once it holds ``line_cache_max`` entries; with lines up
+    to :data:`_MAX_SAMPLE_LINE` long (and a parsed label set costing ~15 bytes per
+    character of dense labels) that alone would let one pod's garbage pin hundreds of MB.
+    Here lines longer than :data:`_MAX_CACHED_LINE` are not cached, and the cache is
+    cleared when the cached text would exceed ``max_chars``.
+    """
+
+    __slots__ = ("chars", "max_chars")
+
+    def __init__(self, max_chars: int) -> None:
+        super().__init__()
+        self.chars = 0
+        self.max_chars = max_chars
+
+    def __setitem__(self, line: str, sample: promparse.Sample) -> None:
+        n = len(line)
+        if n > _MAX_CACHED_LINE:
+            return
+        if self.chars + n > self.max_chars:
+            self.clear()
+        self.chars += n
+        super().__setitem__(line, sample)
+
+    def clear(self) -> None:
+        super().clear()
+        self.chars = 0
+
+
+class _BoundedIndex(promparse.SampleIndex):
+    """A :class:`promparse.SampleIndex` that refuses bodies too costly to read.
+
+    Parsing is synchronous work on the event loop that answers Envoy, ~0.14 s per MiB of
+    dense sample lines: a body of a few MB of lines named like a wanted metric (or one
+    line of a million labels) would stall every request for a second per poll. So before
+    any line is tokenized the lines of the name looked up are counted and measured
+    (one ``str.find`` when they are short, one per line otherwise): more than :data:`_MAX_SAMPLES_PER_NAME` of one name,
+    a line longer than :data:`_MAX_SAMPLE_LINE`, or more than :data:`_MAX_SAMPLE_TEXT`
+    characters of wanted lines in one body raise :class:`promparse.ParseError` (a failed
+    scrape). Real model servers stay orders of magnitude below (vLLM: ~1 KB of wanted
+    lines, a few lines per name). Finding the lines is still linear in their number
+    (~55 ms for 4 MiB of one-sample lines); the failure backoff bounds how often.
+
+    Cost on a real body: ~4 µs per scrape (vLLM's 42 KB fixture: 22 → 26 µs). It hooks
+    promparse's internal ``_starts`` (and reads ``_text``): these limits belong in
+    :class:`promparse.SampleIndex` itself, where they would cost next to nothing.
+    """
+
+    __slots__ = ("_budget",)
+
+    def __init__(self, text: str, line_cache: dict[str, promparse.Sample]) -> None:
+        super().__init__(text, line_cache)
+        self._budget = _MAX_SAMPLE_TEXT
+
+    def _starts(self, name: str) -> list[int]:
+        starts = super()._starts(name)
+        if not starts:
+            return starts
+        text = self._text
+        if len(starts) > _MAX_SAMPLES_PER_NAME:
+            raise promparse.ParseError(
+                f"{len(starts)} samples of {name} (the scraper reads at most "
+                f"{_MAX_SAMPLES_PER_NAME})", text.count("\n", 0, starts[0]) + 1)
+        # Fast path: the lines found lie between the first start and the end of the
+        # last line; when that span is short, so is every line, and it bounds their sum.
+        last = starts[-1]
+        end = text.find("\n", last, last + _MAX_SAMPLE_LINE + 1)
+        if end == -1:
+            end = min(len(text), last + _MAX_SAMPLE_LINE + 1)
+        used = end - starts[0]
+        if used > _MAX_SAMPLE_LINE:
+            used = 0
+            for s in starts:
+                e = text.find("\n", s, s + _MAX_SAMPLE_LINE + 1)
+                n = (min(len(text), s + _MAX_SAMPLE_LINE + 1) if e == -1 else e) - s
+                if n > _MAX_SAMPLE_LINE:
+                    raise promparse.ParseError(
+                        f"a sample line of {name} is longer than {_MAX_SAMPLE_LINE} "
+                        "characters", text.count("\n", 0, s) + 1)
+                used += n
+        self._budget -= used
+        if self._budget < 0:
+            raise promparse.ParseError(
+                f"the sample lines read exceed {_MAX_SAMPLE_TEXT} characters (at {name})",
+                text.count("\n", 0, starts[0]) + 1)
+        return starts
 
 
 @dataclass(eq=False)
@@ -172,7 +334,9 @@ class _EndpointState:
     values: tuple[object, ...] | None = None
     last_success: float | None = None
     problem: str | None = None
+    problem_key: str | None = None
     failures: int = 0
+    timeouts: int = 0  # consecutive polls that got no response headers in time
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
 
@@ -237,7 +401,7 @@ class MetricsScraper:
         self._tasks: set[asyncio.Task[None]] = set()
         self._pending: dict[str, Metrics] = {}
         # Parsed sample lines by text, shared by all endpoints (see SampleIndex).
-        self._line_cache: dict[str, promparse.Sample] = {}
+        self._line_cache = _LineCache(_LINE_CACHE_CHARS)
         self._commit_handle: asyncio.TimerHandle | None = None
         self._session: aiohttp.ClientSession | None = None
         self._sem = asyncio.Semaphore(self.options.max_concurrency)
@@ -333,6 +497,10 @@ class MetricsScraper:
     def stale_count(self) -> int:
         return sum(1 for st in self._states.values() if st.metrics.stale)
 
+    def unreachable_count(self) -> int:
+        """Endpoints now marked unreachable (see the module doc)."""
+        return sum(1 for st in self._states.values() if st.metrics.unreachable)
+
     # ------------------------------------------------------------------ endpoint set
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
@@ -377,51 +545,116 @@ class MetricsScraper:
                 raise
             except Exception as e:  # a bug here must not end polling of this endpoint
                 log.debug("metrics scrape of %s: unexpected error", st.key, exc_info=True)
-                self._failed(st, f"internal error: {type(e).__name__}: {e}")
+                self._failed(st, _ScrapeFailure(f"internal error: {type(e).__name__}: {e}",
+                                                _INTERNAL, f"internal {type(e).__name__}"))
             # ±10 % jitter per poll, and a random re-phase after falling behind: without
             # them, endpoints delayed by one slow loop iteration would fire together from
             # then on, and the bursts would keep the loop late.
             iv = self.effective_interval
             if st.failures:
-                # Back off from a failing endpoint (doubling, up to the ceiling) so dead or
-                # hanging pods do not hold concurrency slots meant for healthy ones.
-                iv = min(iv * 2 ** min(st.failures, 10), max(iv, self.options.ceiling_s))
+                # Back off from a failing endpoint (doubling, up to the ceiling and at most
+                # MAX_FAILURE_BACKOFF_S) so dead or hanging pods do not hold concurrency
+                # slots meant for healthy ones, while a restarted pod is still noticed
+                # within a second.
+                cap = min(self.options.ceiling_s, MAX_FAILURE_BACKOFF_S)
+                iv = min(iv * 2 ** min(st.failures, 10), max(iv, cap))
             next_at += iv * (0.9 + 0.2 * self._rng.random())
             now = loop.time()
             if next_at < now:
                 next_at = now + iv * self._rng.random()
 
-    async def _fetch(self, st: _EndpointState) -> bytes:
+    async def _fetch(self, st: _EndpointState) -> str:
+        """GET the body as text, read and decoded incrementally, never beyond
+        ``max_body_bytes``.
+
+        Raises :class:`_ScrapeFailure`; its kind says whether a response was received.
+        """
         assert self._session is not None
         o = self.options
+        cap = o.max_body_bytes
+        resp: aiohttp.ClientResponse | None = None
         try:
-            # The session's ClientTimeout(total=timeout_s) bounds connect + headers + body.
+            # The session's ClientTimeout(total=timeout_s) bounds connect + headers + body,
+            # so a pod that accepts and never answers, or trickles bytes, costs one
+            # concurrency slot for at most timeout_s.
             async with self._session.get(st.url, allow_redirects=False) as resp:
                 if resp.status != 200:
-                    raise _ScrapeFailure(f"HTTP {resp.status} from {st.url}")
+                    raise _ScrapeFailure(f"HTTP {resp.status} from {st.url}", _BAD_RESPONSE,
+                                         f"HTTP {resp.status}")
                 length = resp.content_length
-                if length is not None and length > o.max_body_bytes:
-                    raise _ScrapeFailure(f"body of {length} bytes exceeds {o.max_body_bytes}")
-                body = await resp.read()
+                if length is not None and length > cap:
+                    raise _ScrapeFailure(
+                        f"body of {length} bytes (Content-Length) exceeds the {cap}-byte cap "
+                        "(--model-server-metrics-max-bytes)", _BAD_RESPONSE, "too large")
+                # Chunk by chunk (aiohttp's reader pauses the socket above ~128 KiB
+                # unread), so memory is bounded by the cap even without a Content-Length:
+                # a chunked body that never ends is cut off here, not at the timeout.
+                # Decoded as it arrives, strictly, as Prometheus reads the format: binary
+                # garbage fails at its first chunk, unread beyond it, and no copy of the
+                # whole body is ever made for an error (replacing invalid bytes would also
+                # cost ~90 ms of loop time per 4 MiB).
+                decoder = _utf8_decoder()
+                parts: list[str] = []
+                n = 0
+                async for chunk in resp.content.iter_any():
+                    if n + len(chunk) > cap:
+                        resp.close()  # drop the connection rather than drain the rest
+                        raise _ScrapeFailure(
+                            f"body exceeds the {cap}-byte cap (--model-server-metrics-max-bytes)"
+                            "; read aborted", _BAD_RESPONSE, "too large")
+                    try:
+                        parts.append(decoder.decode(chunk))
+                    except UnicodeDecodeError as e:
+                        resp.close()
+                        raise _ScrapeFailure(f"body from {st.url} is not UTF-8 text (invalid "
+                                             f"byte at offset {n + e.start})", _BAD_RESPONSE,
+                                             "not UTF-8") from None
+                    n += len(chunk)
+                try:
+                    if rest := decoder.decode(b"", True):
+                        parts.append(rest)
+                except UnicodeDecodeError:
+                    raise _ScrapeFailure(f"body from {st.url} ends inside a UTF-8 sequence",
+                                         _BAD_RESPONSE, "not UTF-8") from None
+                return parts[0] if len(parts) == 1 else "".join(parts)
         except TimeoutError:
-            raise _ScrapeFailure(f"timed out after {o.timeout_s:g}s ({st.url})") from None
+            if resp is None:
+                raise _ScrapeFailure(f"timed out after {o.timeout_s:g}s waiting for a response "
+                                     f"({st.url})", _TIMEOUT) from None
+            raise _ScrapeFailure(f"timed out after {o.timeout_s:g}s reading the body "
+                                 f"({st.url})", _BAD_RESPONSE, "slow body") from None
+        except aiohttp.ClientSSLError as e:  # a TLS setup problem, not a dead pod
+            raise _ScrapeFailure(f"{type(e).__name__}: {e}", _BAD_RESPONSE,
+                                 type(e).__name__) from None
+        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as e:
+            # Before a response: refused, reset, or closed by the peer — a dead pod's
+            # signature. After one (a body cut short): the pod answered; not reachability.
+            raise _ScrapeFailure(f"{type(e).__name__}: {e}",
+                                 _CONNECTION if resp is None else _BAD_RESPONSE,
+                                 type(e).__name__) from None
         except aiohttp.ClientError as e:
-            raise _ScrapeFailure(f"{type(e).__name__}: {e}") from None
-        if len(body) > o.max_body_bytes:
-            raise _ScrapeFailure(f"body of {len(body)} bytes exceeds {o.max_body_bytes}")
-        return body
+            raise _ScrapeFailure(f"{type(e).__name__}: {e}", _BAD_RESPONSE,
+                                 type(e).__name__) from None
 
     async def _poll(self, st: _EndpointState, mapping: EngineMapping) -> None:
         try:
             async with self._sem:
-                body = await self._fetch(st)
-            index = promparse.SampleIndex(body.decode("utf-8", "replace"), self._line_cache)
-            extracted = mapping.extract(index)
+                text = await self._fetch(st)
+            extracted = mapping.extract(_BoundedIndex(text, self._line_cache))
+            if (extracted.missing and extracted.waiting is None
+                    and extracted.running is None and extracted.kv_usage is None):
+                # Not one load signal: not a model server's metrics (an HTML page,
+                # garbage, the wrong port or engine). A failure, so that it backs off and
+                # goes stale instead of looking idle.
+                raise _ScrapeFailure(f"no load signal in the body from {st.url}: missing "
+                                     f"{'; '.join(extracted.missing)}", _BAD_RESPONSE,
+                                     "no load signal")
         except _ScrapeFailure as e:
-            self._failed(st, str(e))
+            self._failed(st, e)
             return
         except promparse.ParseError as e:
-            self._failed(st, f"malformed metrics text from {st.url}: {e}")
+            self._failed(st, _ScrapeFailure(f"malformed metrics text from {st.url}: {e}",
+                                            _MALFORMED))
             return
         self._succeeded(st, extracted, time.monotonic())
 
@@ -429,6 +662,7 @@ class MetricsScraper:
         self.scrapes_ok += 1
         st.last_success = now
         st.failures = 0
+        st.timeouts = 0
         prev = st.metrics
         values = (
             prev.waiting_queue_size if ex.waiting is None else ex.waiting,
@@ -440,28 +674,67 @@ class MetricsScraper:
             prev.block_size if ex.block_size is None else ex.block_size,
             prev.num_blocks if ex.num_blocks is None else ex.num_blocks,
         )
-        self._report(st, f"metrics of {st.key} incomplete: missing {'; '.join(ex.missing)}"
-                     if ex.missing else None)
-        if (values != st.values or prev.stale or prev.updated_at is None
+        incomplete = (f"metrics of {st.key} incomplete: missing {'; '.join(ex.missing)}"
+                      if ex.missing else None)
+        self._report(st, incomplete, incomplete)
+        if prev.unreachable:
+            log.info("endpoint %s is reachable again (scrape succeeded): scheduled again",
+                     st.key)
+        if (values != st.values or prev.stale or prev.unreachable or prev.updated_at is None
                 or now - prev.updated_at >= self.options.resolution_s):
             st.values = values
             self._stage(st, Metrics(*values, updated_at=now, stale=False))
 
-    def _failed(self, st: _EndpointState, problem: str) -> None:
+    def _failed(self, st: _EndpointState, failure: _ScrapeFailure) -> None:
         self.scrapes_failed += 1
         st.failures += 1
-        self._report(st, f"metrics scrape of {st.key} failed: {problem}")
+        self._report(st, f"metrics scrape of {st.key} failed: {failure}", failure.key)
+        if failure.kind == _TIMEOUT:
+            st.timeouts += 1
+        else:
+            st.timeouts = 0
+        if failure.kind == _CONNECTION:
+            self._set_unreachable(st, True, failure.key)
+        elif failure.kind == _TIMEOUT:
+            if st.timeouts >= UNREACHABLE_AFTER_TIMEOUTS:
+                self._set_unreachable(st, True, f"no response to {st.timeouts} polls in a row")
+        elif failure.kind != _INTERNAL:
+            # The pod's server answered (an error status, a bad body): it is up.
+            self._set_unreachable(st, False, failure.key)
         self._check_stale(st, time.monotonic())
 
-    def _report(self, st: _EndpointState, problem: str | None) -> None:
-        """Log a problem only when it differs from the endpoint's previous one."""
-        if problem == st.problem:
+    def report_unreachable(self, key: str) -> None:
+        """The gateway could not connect to endpoint ``key`` (Envoy's connect-failure flag
+        on a response it sent the EPP): mark it unreachable now, without waiting for a
+        poll. The next poll that gets an HTTP answer clears the mark, so a wrong report
+        costs at most one interval of exclusion. Unknown keys are ignored."""
+        st = self._states.get(key)
+        if st is not None:
+            self._set_unreachable(st, True, "the gateway could not connect to it")
+
+    def _set_unreachable(self, st: _EndpointState, unreachable: bool, why: str) -> None:
+        if st.metrics.unreachable == unreachable:
             return
+        if unreachable:
+            log.warning("endpoint %s is unreachable (%s): not scheduled until its metrics "
+                        "port answers again", st.key, why)
+        else:
+            log.info("endpoint %s is reachable again (%s): scheduled again", st.key, why)
+        self._stage(st, replace(st.metrics, unreachable=unreachable))
+
+    def _report(self, st: _EndpointState, problem: str | None, key: str | None) -> None:
+        """Keep ``problem`` as the endpoint's current error; log it only when its ``key``
+        differs from the previous one (once per change of error, not once per poll)."""
+        st.problem = problem
+        if key == st.problem_key:
+            return
+        st.problem_key = key
         if problem is None:
             log.info("metrics scrape of %s recovered", st.key)
         else:
+            if len(problem) > _MAX_LOGGED_PROBLEM:
+                problem = problem[:_MAX_LOGGED_PROBLEM] + "…"
             log.warning("%s (logged again only if the error changes)", problem)
-        st.problem = problem
 
     def _check_stale(self, st: _EndpointState, now: float) -> None:
         if st.metrics.stale:
@@ -532,10 +805,22 @@ class ScraperCollector(Collector):
         pod_stale = GaugeMetricFamily("epp_model_server_metrics_stale",
                                       "1 while an endpoint's metrics are stale, else 0.",
                                       labels=["model_server_pod"])
+        pod_unreachable = GaugeMetricFamily(
+            "epp_model_server_unreachable",
+            "1 while an endpoint is unreachable (its metrics port refused or dropped the "
+            "connection, or did not answer several polls in a row): it is not scheduled "
+            "unless every endpoint is unreachable; else 0.", labels=["model_server_pod"])
         now = time.monotonic()
+        n_unreachable = 0
         for ep in s._store.snapshot():
             a = ep.metrics.age(now)
             if a is not None:
                 age.add_metric([ep.name], a)
             pod_stale.add_metric([ep.name], 1.0 if ep.metrics.stale else 0.0)
-        return [scrapes, stale, interval, age, pod_stale]
+            pod_unreachable.add_metric([ep.name], 1.0 if ep.metrics.unreachable else 0.0)
+            n_unreachable += ep.metrics.unreachable
+        unreachable = GaugeMetricFamily("epp_model_server_unreachable_endpoints",
+                                        "Endpoints marked unreachable by the metrics scraper "
+                                        "(left out of scheduling unless all are).")
+        unreachable.add_metric([], n_unreachable)
+        return [scrapes, stale, interval, age, pod_stale, unreachable, pod_unreachable]

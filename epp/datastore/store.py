@@ -6,6 +6,15 @@ scheduling cycle never changes under the scheduler. Listeners hear about additio
 metrics scraper starts polling) and removals (the scraper stops; the prefix index forgets
 the endpoint). Listeners run synchronously inside :meth:`set_endpoints`, after the new set
 is in place, and must not raise (a raising listener is logged and skipped).
+
+Routing candidates: :meth:`routable` is :meth:`snapshot` less the endpoints the metrics
+scraper marked ``Metrics.unreachable`` (their metrics port refused or dropped the
+connection: most likely a dead pod), computed once per snapshot and cached with it, so
+the per-request cost is an identity check. Fail open: when every endpoint is
+unreachable (a firewalled metrics port, a network partition between the EPP and all
+pods, a wrong ``--model-server-metrics-port``), the scrape signal is no evidence about
+the pods and all of them are routable, as if nothing were known; that is logged once
+when it starts and once when it ends.
 """
 
 from __future__ import annotations
@@ -27,6 +36,10 @@ class Datastore:
     def __init__(self) -> None:
         self._endpoints: dict[str, Endpoint] = {}
         self._snapshot: tuple[Endpoint, ...] | None = ()
+        # routable() is derived from one snapshot; recomputed when the snapshot changes.
+        self._routable_of: tuple[Endpoint, ...] | None = None
+        self._routable: tuple[Endpoint, ...] = ()
+        self._failing_open = False
         self._removal_listeners: list[RemovalListener] = []
         self._addition_listeners: list[AdditionListener] = []
         self.synced = False
@@ -108,6 +121,35 @@ class Datastore:
         if snap is None:
             snap = self._snapshot = tuple(self._endpoints.values())
         return snap
+
+    def routable(self) -> tuple[Endpoint, ...]:
+        """The endpoints the scheduler may pick: :meth:`snapshot` without the unreachable
+        ones — or all of them when every endpoint is unreachable (fail open; see the
+        module doc). Same order as the snapshot; cached until the snapshot changes."""
+        snap = self.snapshot()
+        if snap is self._routable_of:
+            return self._routable
+        live = tuple(e for e in snap if not e.metrics.unreachable)
+        if len(live) == len(snap):
+            live = snap
+        all_down = not live and bool(snap)
+        if all_down:
+            live = snap
+        if all_down != self._failing_open:
+            self._failing_open = all_down
+            if all_down:
+                log.warning("every endpoint (%d) is unreachable by its metrics scrape: "
+                            "routing over all of them (fail open) until one answers again",
+                            len(snap))
+            else:
+                log.info("fail open ended: routing over the %d reachable of %d endpoints",
+                         len(live), len(snap))
+        self._routable_of, self._routable = snap, live
+        return live
+
+    def unreachable_count(self) -> int:
+        """How many endpoints are now marked unreachable by the metrics scraper."""
+        return sum(1 for e in self.snapshot() if e.metrics.unreachable)
 
     def __len__(self) -> int:
         return len(self._endpoints)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections import deque
 from typing import Any, AsyncIterator, Callable, Sequence
 
 import grpc
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 MAX_CHUNK_BYTES = 62_000
 DEFAULT_MAX_HEADERS = 100  # Envoy's default max_headers_count
 _FULL_DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
+_NONE = ProcessingMode.NONE
 _OVERWRITE = HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
 
 
@@ -125,6 +127,13 @@ def _streamed_chunks(body: bytes, phase: str) -> list[pb.ProcessingResponse]:
         start = end
 
 
+def echo_response(body: bytes, end_of_stream: bool) -> pb.ProcessingResponse:
+    """A full-duplex response body answer carrying ``body``."""
+    return pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
+        body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
+            body=body, end_of_stream=end_of_stream)))))
+
+
 _EMPTY_REQ_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 _EMPTY_RESP_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
 _EMPTY_REQ_TRAILERS = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
@@ -138,7 +147,8 @@ class ExtProcStream:
     __slots__ = ("_director", "_max_body", "_duplex", "_resp_duplex", "_headers", "_subset",
                  "_chunks", "_size", "_routed", "_routing", "closed", "_done_reported",
                  "_trailers_pending", "_resp_len", "_resp_seen", "_aborted", "token",
-                 "_headers_seen", "_header_count", "_max_headers")
+                 "_headers_seen", "_header_count", "_max_headers", "_lean",
+                 "_resp_started")
 
     def __init__(self, director: RequestDirector, max_body_bytes: int,
                  token: str | None = None, max_headers: int = DEFAULT_MAX_HEADERS) -> None:
@@ -152,6 +162,10 @@ class ExtProcStream:
         self.token = token
         self._duplex = False
         self._resp_duplex = False
+        # Lean gateway shape: the response body is never sent to us (response_body_mode
+        # NONE); the end of the stream, after the response headers, is the completion.
+        self._lean = False
+        self._resp_started = False  # the routed request's response headers passed
         self._headers: dict[str, str] = {}
         self._subset: list[str] | None = None
         self._chunks: list[bytes] = []
@@ -208,6 +222,8 @@ class ExtProcStream:
             pc = msg.protocol_config
             self._duplex = pc.request_body_mode == _FULL_DUPLEX
             self._resp_duplex = pc.response_body_mode == _FULL_DUPLEX
+            # (Not on the split path: there the observer stream brings the response.)
+            self._lean = pc.response_body_mode == _NONE and self.token is None
         self._headers = _headers_dict(msg.request_headers.headers)
         self._header_count = len(msg.request_headers.headers.headers)
         self._subset = _subset_hint(msg)
@@ -357,6 +373,7 @@ class ExtProcStream:
         cl = headers.get(keys.HEADER_CONTENT_LENGTH)
         if cl is not None and cl.isdigit():
             self._resp_len = int(cl)
+        self._resp_started = True
         extra = self._director.on_response_headers(self._routing.context, status, headers)
         if h.end_of_stream:
             self._report_done(aborted=False)
@@ -365,6 +382,35 @@ class ExtProcStream:
         return [pb.ProcessingResponse(response_headers=pb.HeadersResponse(
             response=pb.CommonResponse(header_mutation=pb.HeaderMutation(
                 set_headers=[_set_header(k, v) for k, v in extra.items()]))))]
+
+    @property
+    def lean(self) -> bool:
+        """The gateway sends this stream no response body (lean shape)."""
+        return self._lean
+
+    @property
+    def echoing(self) -> bool:
+        """The response body is streaming in full duplex: chunks are echoed and may be
+        coalesced (:meth:`echo_chunk`)."""
+        return self._resp_duplex and self._resp_started and not self.closed
+
+    def echo_chunk(self, b: pb.HttpBody) -> bytes:
+        """Account one full-duplex response body chunk and return the bytes to pass on.
+
+        Never raises: a failing Director callback passes the chunk on unchanged."""
+        chunk = b.body
+        self._resp_seen += len(chunk)
+        if self._routing is not None:
+            try:
+                replaced = self._director.on_response_body(self._routing.context, chunk,
+                                                           b.end_of_stream)
+                if replaced is not None:
+                    chunk = replaced
+            except Exception:
+                log.exception("ext_proc response body callback failed; passing it on")
+        if b.end_of_stream:
+            self._report_done(aborted=False)
+        return chunk
 
     def _on_response_body(self, b: pb.HttpBody) -> Sequence[pb.ProcessingResponse]:
         chunk = b.body
@@ -380,11 +426,7 @@ class ExtProcStream:
         if b.end_of_stream:
             self._report_done(aborted=False)
         if self._resp_duplex:
-            out = b.body if replaced is None else replaced
-            return [pb.ProcessingResponse(response_body=pb.BodyResponse(
-                response=pb.CommonResponse(body_mutation=pb.BodyMutation(
-                    streamed_response=pb.StreamedBodyResponse(
-                        body=out, end_of_stream=b.end_of_stream)))))]
+            return [echo_response(b.body if replaced is None else replaced, b.end_of_stream)]
         if replaced is None:
             return [_CONTINUE_RESP_BODY]
         return [pb.ProcessingResponse(response_body=pb.BodyResponse(
@@ -436,7 +478,15 @@ class ExtProcStream:
 
         Returns the stream's outcome: ``rejected`` (an ImmediateResponse was sent),
         ``completed`` (the response ended) or ``aborted`` (the stream ended first).
+
+        Lean gateway shape (response body not sent to the EPP): Envoy ends the stream when
+        the HTTP request ends, so a routed request whose response headers passed is
+        completed here — a client that leaves mid-response cannot be told apart (Envoy
+        ends the stream the same way, measured with Envoy 1.40); one whose response never
+        started is aborted.
         """
+        if self._lean and self._resp_started and not self.closed:
+            self._report_done(aborted=False)
         if (clean and not self.closed and not self._done_reported and self._resp_len is not None
                 and self._resp_seen >= self._resp_len):
             self._report_done(aborted=False)
@@ -466,9 +516,15 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     def __init__(self, director: RequestDirector, max_body_bytes: int,
                  on_stream_end: Callable[[str], None] | None = None,
                  observer_grace_s: float = 5.0, observer_supported: bool = True,
-                 max_headers: int = DEFAULT_MAX_HEADERS) -> None:
+                 max_headers: int = DEFAULT_MAX_HEADERS,
+                 body_consumers: Sequence[str] = ()) -> None:
+        """``body_consumers``: names of configured plugins that need response bodies
+        (``response_needs`` contains ``"body"``); the first lean-shape stream warns that
+        the gateway cannot feed them."""
         self._director = director
         self._max_headers = max_headers
+        self._body_consumers = tuple(body_consumers)
+        self._lean_noted = False
         self._observer_supported = observer_supported
         self._max_body = max_body_bytes
         self._on_stream_end = on_stream_end
@@ -484,7 +540,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self,
         request_iterator: AsyncIterator[pb.ProcessingRequest],
         context: grpc.aio.ServicerContext[pb.ProcessingRequest, pb.ProcessingResponse],
-    ) -> AsyncIterator[pb.ProcessingResponse]:
+    ) -> None:
+        # grpc.aio's read()/write() API, not the request iterator and a response generator:
+        # it costs measurably less per message (bench/extproc_messages.py).
         token = os.urandom(12).hex() if _split_requested(context) else None
         if token is not None and not self._observer_supported:
             token = None
@@ -498,20 +556,29 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         stream: ExtProcStream | None = ExtProcStream(self._director, self._max_body, token,
                                                           self._max_headers)
         clean = False
+        read, write, eof = context.read, context.write, grpc.aio.EOF
         try:
-            async for msg in request_iterator:
+            while True:
+                msg = await read()
+                if msg is eof:
+                    break
                 if msg.observability_mode:
                     stream = None
-                    await self._observe(msg, request_iterator)
+                    await self._observe(msg, context)
                     return
                 assert stream is not None
                 out = await stream.handle(msg)
+                if stream.lean and not self._lean_noted:
+                    self._note_lean()
                 if token is not None and stream.routed and not stream.closed:
                     self._awaiting[token] = stream  # before Envoy sees the routing answer
                     token = None
                 for resp in out:
-                    yield resp
+                    await write(resp)
                 if stream.closed:
+                    return
+                if stream.echoing:
+                    clean = await _echo(stream, read, write)
                     return
             clean = True
         except DecodeError as e:
@@ -519,6 +586,18 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         finally:
             if stream is not None:
                 self._end(stream, clean)
+
+    def _note_lean(self) -> None:
+        """Say once what the lean gateway shape (no response bodies) turns off."""
+        self._lean_noted = True
+        log.info("the gateway sends no response bodies to the EPP (lean shape): per-request "
+                 "token usage metrics and the model-name rewrite-back in responses are off "
+                 "(docs/architecture.md, \"Gateway shapes\")")
+        if self._body_consumers:
+            log.warning("configured plugin(s) %s need response bodies, which this gateway "
+                        "does not send (response_body_mode NONE): they will not see any; "
+                        "configure GIE's shape (response_body_mode FULL_DUPLEX_STREAMED) "
+                        "for them", ", ".join(self._body_consumers))
 
     async def _not_ext_proc(self, context: Any, error: DecodeError) -> None:
         """A message that is not a ProcessingRequest (not Envoy, or a broken peer): end the
@@ -557,8 +636,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         "requests as aborted", self._observer_grace_s)
         self._outcome(stream.finish(False))
 
-    async def _observe(self, first: pb.ProcessingRequest,
-                       request_iterator: AsyncIterator[pb.ProcessingRequest]) -> None:
+    async def _observe(self, first: pb.ProcessingRequest, context: Any) -> None:
         """An observability-mode stream: attach to the routed request by its token, feed
         it the response, end it. Nothing is sent back (Envoy expects nothing)."""
         target = None
@@ -570,12 +648,15 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     break
         if target is None:
             # Not routed by this EPP (rejected, or routed by another replica): drain.
-            async for _ in request_iterator:
+            while await context.read() is not grpc.aio.EOF:
                 pass
             return
         clean = False
         try:
-            async for msg in request_iterator:
+            while True:
+                msg = await context.read()
+                if msg is grpc.aio.EOF:
+                    break
                 kind = msg.WhichOneof("request")
                 if kind not in _RESPONSE_KINDS:
                     continue
@@ -592,6 +673,80 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
 
 
 _RESPONSE_KINDS = frozenset({"response_headers", "response_body", "response_trailers"})
+
+
+async def _echo(stream: ExtProcStream, read: Callable[[], Any],
+                write: Callable[[pb.ProcessingResponse], Any]) -> bool:
+    """Serve the rest of a stream whose response body streams in full duplex (GIE's
+    shape), coalescing chunks that are already queued into one answer.
+
+    A reader task reads ahead while an answer is being written; each answer carries every
+    chunk that arrived meanwhile. The first chunk is never held back (it is answered as
+    soon as it is read), and a backlog — the EPP or the machine busy, tokens arriving
+    faster than answers go out — costs one write instead of one per chunk: writes are
+    most of grpc.aio's cost per message (bench/extproc_messages.py, docs/benchmarks.md).
+    Envoy accepts a full-duplex body back in any chunking. Anything other than a body
+    chunk (trailers) takes the ordinary path, in order. Returns True when the stream ended
+    cleanly (EOF); raises what the reader raised (e.g. a DecodeError).
+    """
+    loop = asyncio.get_running_loop()
+    queue: deque[Any] = deque()
+    waiter: list[asyncio.Future[None] | None] = [None]
+    eof = grpc.aio.EOF
+
+    def wake() -> None:
+        w = waiter[0]
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def reader() -> None:
+        try:
+            while True:
+                m = await read()
+                queue.append(m)
+                wake()
+                if m is eof:
+                    return
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # handed to the writer, which raises it
+            queue.append(e)
+            wake()
+
+    task = loop.create_task(reader())
+    try:
+        while True:
+            if not queue:
+                w = waiter[0] = loop.create_future()
+                await w
+                waiter[0] = None
+            parts: list[bytes] = []
+            last = False
+            while queue:
+                m = queue.popleft()
+                if isinstance(m, BaseException) or m is eof:
+                    if parts:
+                        await write(echo_response(b"".join(parts), last))
+                    if m is eof:
+                        return True
+                    raise m
+                if not last and m.WhichOneof("request") == "response_body":
+                    b = m.response_body
+                    parts.append(stream.echo_chunk(b))
+                    last = b.end_of_stream
+                    continue
+                if parts:
+                    await write(echo_response(b"".join(parts), last))
+                    parts, last = [], False
+                for resp in await stream.handle(m):
+                    await write(resp)
+                if stream.closed:
+                    return False
+            if parts:
+                await write(echo_response(parts[0] if len(parts) == 1 else b"".join(parts),
+                                          last))
+    finally:
+        task.cancel()
 
 
 def _split_requested(context: Any) -> bool:

@@ -158,6 +158,11 @@ class EppMetrics:
             "epp_pd_decisions_total",
             "Prefill/decode decisions of a disaggregating profile handler, by type "
             "(disaggregated, decode-only).", ["decision_type"], registry=r)
+        self.upstream_connect_failures = Counter(
+            "epp_gateway_upstream_connect_failures_total",
+            "Requests the gateway could not connect to the chosen endpoint for (Envoy's "
+            "connect-failure flag in the response attributes; docs/operations.md).",
+            ["model_server_pod"], registry=r)
         self.extproc_streams = Counter(
             "epp_extproc_streams_total",
             "ext_proc streams by outcome: completed (response ended), rejected (answered "

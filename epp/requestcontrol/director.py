@@ -116,7 +116,7 @@ class SchedulingCore:
             span = self.tracing.start_request(headers)
             self._plugin_spans = PluginSpans()
         try:
-            candidates = self.store.snapshot()
+            candidates = self.store.routable()
             if subset is not None:
                 allowed = set(subset)
                 candidates = tuple(e for e in candidates if e.key in allowed)
@@ -248,6 +248,8 @@ class SchedulingCore:
         """Envoy could not connect to the endpoint ``address`` (``ip:port``) it was sent
         to: hand it to ``on_upstream_failure`` (the metrics scraper marks it unreachable
         until a scrape succeeds again)."""
+        ep = self.store.get(address)
+        self.metrics.upstream_connect_failures.labels(ep.name if ep else address).inc()
         if self.on_upstream_failure is not None:
             self.on_upstream_failure(address)
 

@@ -23,6 +23,10 @@ if TYPE_CHECKING:
 
 @runtime_checkable
 class Plugin(Protocol):
+    """Every plugin. Optional class attribute ``response_needs: frozenset[str]`` —
+    ``{"body"}`` for a plugin that needs response bodies, which the lean gateway shape
+    does not send (the EPP warns at the first such stream; docs/plugins.md)."""
+
     type_name: str
     name: str
 

@@ -38,6 +38,12 @@ class Metrics:
     staleness threshold (``--metrics-staleness-threshold``): the values are the last
     ones seen, kept rather than dropped. It is the authoritative freshness signal;
     :meth:`is_stale` combines it with a caller's own threshold.
+
+    ``unreachable`` is set by the scraper when the endpoint's metrics port refuses or
+    drops connections (or times out several polls in a row, see
+    epp/datalayer/scraper.py): the pod is most likely dead. The datastore leaves such
+    endpoints out of :meth:`Datastore.routable` — the candidates the scheduler gets —
+    unless every endpoint is unreachable (fail open). The pod's next HTTP answer clears it.
     """
 
     waiting_queue_size: int = 0
@@ -50,6 +56,7 @@ class Metrics:
     num_blocks: int | None = None
     updated_at: float | None = None
     stale: bool = False
+    unreachable: bool = False
 
     def age(self, now: float) -> float | None:
         """Seconds since the last successful scrape, or None if never scraped."""

@@ -206,6 +206,9 @@ class EppServer:
         if o.scrape_metrics:
             scraper = MetricsScraper(self.store, o.scrape,
                                      EngineMappings(overrides=o.metric_overrides))
+            # Envoy's word that a pod refused the connection (response attributes): out
+            # of the candidates now, back at the next scrape that gets an answer.
+            self.core.on_upstream_failure = scraper.report_unreachable
 
         # Phase 2: bind ports.
         try:
@@ -273,7 +276,8 @@ class EppServer:
         pb_grpc.add_ExternalProcessorServicer_to_server(
             TrackedExtProc(ExtProcServicer(self.director, self.options.max_request_body_bytes,
                                            on_stream_end=self._stream_ended,
-                                           max_headers=self.options.max_request_headers),
+                                           max_headers=self.options.max_request_headers,
+                                           body_consumers=self._body_consumers()),
                            self.tracker),
             server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -288,6 +292,12 @@ class EppServer:
                    credentials)
         await server.start()
         self._grpc = server
+
+    def _body_consumers(self) -> list[str]:
+        """Configured plugins that declare they need response bodies."""
+        assert self.built is not None
+        return [name for name, p in self.built.plugins.items()
+                if "body" in getattr(p, "response_needs", ())]
 
     async def _start_fronts(self, n: int) -> None:
         """``--workers N``: N front processes serve ext_proc; this process is the core."""

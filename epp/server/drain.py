@@ -25,7 +25,6 @@ A second SIGTERM or SIGINT stops at once, whatever phase the drain is in.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 from collections.abc import AsyncIterator
@@ -68,8 +67,9 @@ class TrackedExtProc(pb_grpc.ExternalProcessorServicer):
     """An ExternalProcessor servicer that counts the streams of the one it wraps.
 
     Every stream is counted from the moment the handler starts until it returns, raises
-    or is cancelled (the wrapped generator is closed explicitly, so its own clean-up runs
-    before the stream counts as ended).
+    or is cancelled. The wrapped servicer uses grpc.aio's read()/write() API (its
+    ``Process`` is a coroutine), so its own clean-up has run when the stream counts as
+    ended.
     """
 
     def __init__(self, inner: pb_grpc.ExternalProcessorServicer, tracker: StreamTracker) -> None:
@@ -80,14 +80,12 @@ class TrackedExtProc(pb_grpc.ExternalProcessorServicer):
         self,
         request_iterator: AsyncIterator[pb.ProcessingRequest],
         context: grpc.aio.ServicerContext[pb.ProcessingRequest, pb.ProcessingResponse],
-    ) -> AsyncIterator[pb.ProcessingResponse]:
+    ) -> None:
         tracker = self._tracker
         tracker.stream_started()
         try:
-            inner: Any = self._inner.Process(request_iterator, context)
-            async with contextlib.aclosing(inner) as responses:
-                async for resp in responses:
-                    yield resp
+            inner: Any = self._inner
+            await inner.Process(request_iterator, context)
         finally:
             tracker.stream_ended()
 

@@ -2,7 +2,9 @@
 
 :func:`render_envoy_config` turns ``envoy.yaml.tmpl`` into a bootstrap that routes every
 request through the EPP over ext_proc (design.md section 2) to an ORIGINAL_DST cluster keyed
-on ``x-gateway-destination-endpoint``. :class:`EnvoyProcess` runs one Envoy with it.
+on ``x-gateway-destination-endpoint``, in one of the gateway shapes of
+docs/architecture.md ("Gateway shapes"; :data:`RESPONSE_PATHS`, the lean one by default).
+:class:`EnvoyProcess` runs one Envoy with it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ __all__ = [
     "BODY_MODES",
     "BODY_MODE_BUFFERED",
     "BODY_MODE_FULL_DUPLEX",
+    "DEFAULT_RESPONSE_PATH",
+    "RESPONSE_PATHS",
+    "RESPONSE_PATH_INLINE",
+    "RESPONSE_PATH_LEAN",
+    "RESPONSE_PATH_OBSERVER",
     "EnvoyProcess",
     "envoy_binary",
     "render_envoy_config",
@@ -35,8 +42,9 @@ __all__ = [
 BODY_MODE_FULL_DUPLEX: Final = "FULL_DUPLEX_STREAMED"
 BODY_MODE_BUFFERED: Final = "BUFFERED"
 
-# ext_proc ProcessingMode per supported request body mode. Indented to sit under
-# `processing_mode:` in the template.
+# ext_proc ProcessingMode per supported request body mode, for GIE's shape (the response
+# through the EPP too; response_path "inline"). Indented to sit under `processing_mode:`
+# in the template.
 #  - FULL_DUPLEX_STREAMED needs trailer modes SEND (Envoy rejects the config otherwise,
 #    envoy-notes.md pitfall 6); this is what GIE and Envoy AI Gateway configure.
 #  - BUFFERED (AIBrix-style): the request body arrives whole; the response body is
@@ -64,16 +72,39 @@ _PROCESSING_MODES: Final[dict[str, str]] = {
 }
 BODY_MODES: Final = tuple(_PROCESSING_MODES)
 
+RESPONSE_PATH_LEAN: Final = "lean"
 RESPONSE_PATH_INLINE: Final = "inline"
 RESPONSE_PATH_OBSERVER: Final = "observer"
-RESPONSE_PATHS: Final = (RESPONSE_PATH_INLINE, RESPONSE_PATH_OBSERVER)
+#: The default first.
+RESPONSE_PATHS: Final = (RESPONSE_PATH_LEAN, RESPONSE_PATH_INLINE, RESPONSE_PATH_OBSERVER)
+DEFAULT_RESPONSE_PATH: Final = RESPONSE_PATH_LEAN
 
+# Lean shape (the default): the EPP gets the response headers but never a response body
+# chunk, so a streamed answer costs it no message at all; Envoy ends the ext_proc stream
+# when the HTTP request ends, and that end completes the request in the EPP
+# (docs/architecture.md, "Gateway shapes"). The request side stays as the body mode says
+# (FULL_DUPLEX_STREAMED keeps request_trailer_mode SEND, which Envoy requires).
+# response_trailer_mode is SEND, not SKIP: measured with Envoy 1.40, a FULL_DUPLEX_STREAMED
+# request with SKIP has its ext_proc stream closed right after the response-headers
+# answer (nothing left to send), so a streamed response would count as finished at its
+# first byte; with SEND the stream stays open until the response ends, and costs no
+# message unless the upstream really sends trailers (an HTTP/1.1 model server does not).
+_LEAN_RESPONSE_MODES: Final[dict[str, str]] = {
+    "response_header_mode": "SEND",
+    "response_body_mode": "NONE",
+    "response_trailer_mode": "SEND",
+}
 # Split response path: the routing filter skips every response phase (the request part
 # of its ProcessingMode stays as the body mode says) ...
 _ROUTE_ONLY_RESPONSE_MODES: Final[dict[str, str]] = {
     "response_header_mode": "SKIP",
     "response_body_mode": "NONE",
     "response_trailer_mode": "SKIP",
+}
+_RESPONSE_OVERRIDES: Final[dict[str, dict[str, str]]] = {
+    RESPONSE_PATH_LEAN: _LEAN_RESPONSE_MODES,
+    RESPONSE_PATH_INLINE: {},
+    RESPONSE_PATH_OBSERVER: _ROUTE_ONLY_RESPONSE_MODES,
 }
 # ... and a second ext_proc filter in observability mode sends the request headers (they
 # carry the EPP's token) and the response to the EPP without waiting for answers.
@@ -148,7 +179,7 @@ def render_envoy_config(
     max_body_bytes: int = 64 << 20,
     epp_keepalive_s: float | None = 10.0,
     pool_endpoints: Sequence[str] | None = None,
-    response_path: str = RESPONSE_PATH_INLINE,
+    response_path: str = DEFAULT_RESPONSE_PATH,
 ) -> str:
     """Render the Envoy bootstrap YAML.
 
@@ -178,11 +209,16 @@ def render_envoy_config(
       retry taking the next host of the list. Needed for ``maxNumOfEndpoints`` > 1: the
       default ORIGINAL_DST cluster accepts one address only. Hosts must be known to Envoy:
       a named host Envoy does not know falls back to round robin.
-    - ``response_path``: ``inline`` (GIE's shape: one ext_proc filter that also processes
-      the response, every chunk through the EPP and back) or ``observer`` (the filter
-      routes only, marked with gRPC metadata ``x-epp-response-path: observer``, and a
-      second ext_proc filter in observability mode streams the response to the EPP
-      without waiting for it; docs/architecture.md, "Response observer").
+    - ``response_path`` (docs/architecture.md, "Gateway shapes"): ``lean`` (the default:
+      one ext_proc filter; the EPP gets the response headers, never a response body chunk
+      — ``response_body_mode: NONE``, ``response_trailer_mode: SEND``, which keeps the
+      stream open until the response ends and costs nothing without upstream trailers —
+      and the end of the stream completes the request; no per-request token usage, no
+      model-name rewrite-back in response bodies), ``inline`` (GIE's shape: the filter
+      also processes the response, every chunk through the EPP and back) or ``observer``
+      (the filter routes only, marked with gRPC metadata ``x-epp-response-path:
+      observer``, and a second ext_proc filter in observability mode streams the response
+      to the EPP without waiting for it; docs/architecture.md, "Response observer").
 
     Raises ValueError for an unknown ``body_mode`` or ``response_path``, a bad port, a negative timeout or a
     non-positive ``max_body_bytes``.
@@ -207,10 +243,10 @@ def render_envoy_config(
         raise ValueError(f"unknown response_path {response_path!r}; expected one of "
                          f"{', '.join(RESPONSE_PATHS)}")
     observer = response_path == RESPONSE_PATH_OBSERVER
-    lines = _PROCESSING_MODES[body_mode].splitlines()
-    if observer:
-        lines = [f"{k}: {_ROUTE_ONLY_RESPONSE_MODES[k]}" if k in _ROUTE_ONLY_RESPONSE_MODES
-                 else line for line in lines for k in [line.split(":", 1)[0]]]
+    overrides = _RESPONSE_OVERRIDES[response_path]
+    lines = [f"{k}: {overrides[k]}" if k in overrides else line
+             for line in _PROCESSING_MODES[body_mode].splitlines()
+             for k in [line.split(":", 1)[0]]]
     processing_mode = "".join(
         _PROCESSING_MODE_INDENT + line + "\n" for line in lines
     ).rstrip("\n")

@@ -33,7 +33,7 @@ import aiohttp
 import yaml
 
 from epp import keys
-from epp.stack.envoy import EnvoyProcess, render_envoy_config
+from epp.stack.envoy import DEFAULT_RESPONSE_PATH, EnvoyProcess, render_envoy_config
 from epp.stack.procs import ManagedProcess, free_port, wait_port
 
 __all__ = [
@@ -189,15 +189,18 @@ class PdStack:
 
     The EPP and the sims read separate copies of the endpoints file: :meth:`set_pool`
     changes what the EPP sees (e.g. without the prefill pods) while the sims keep
-    pricing transfers with the full topology.
+    pricing transfers with the full topology. ``response_path`` is the Envoy gateway
+    shape (``epp.stack.envoy.render_envoy_config``; default lean).
     """
 
     def __init__(self, workdir: Path, layout: PdLayout, *, config_file: Path | None = None,
                  config_text: str | None = None, body_mode: str = "FULL_DUPLEX_STREAMED",
                  epp_args: Sequence[str] = (), log_level: str = "warning",
                  env: Mapping[str, str] | None = None,
-                 epp_include: Callable[[PdPod], bool] = lambda p: True) -> None:
+                 epp_include: Callable[[PdPod], bool] = lambda p: True,
+                 response_path: str = DEFAULT_RESPONSE_PATH) -> None:
         self.workdir = workdir
+        self.response_path = response_path
         self.layout = layout
         self.config_file = config_file
         self.config_text = config_text
@@ -279,7 +282,8 @@ class PdStack:
         self._stack.push_async_callback(self.envoy.stop)
         await self.envoy.start(render_envoy_config(
             listen_port=self.port, epp_port=self.grpc_port, admin_port=free_port(),
-            body_mode=self.body_mode), self.workdir / "envoy")
+            body_mode=self.body_mode, response_path=self.response_path),
+            self.workdir / "envoy")
         await self.envoy.wait_ready()
 
     async def stop(self) -> None:
@@ -387,15 +391,16 @@ async def pd_demo(args: Any) -> int:
               file=sys.stderr)
         return 1
     print(f"epp demo --pd: logs in {workdir}")
-    stack = PdStack(workdir, layout, config_file=config, body_mode=args.body_mode)
+    stack = PdStack(workdir, layout, config_file=config, body_mode=args.body_mode,
+                    response_path=getattr(args, "response_path", DEFAULT_RESPONSE_PATH))
     try:
         await stack.start()
     except RuntimeError as e:
         print(str(e), file=sys.stderr)
         return 1
     try:
-        print(f"gateway  {stack.url}  (Envoy → EPP ext_proc {args.body_mode} → decode pod → "
-              "its prefill pod)")
+        print(f"gateway  {stack.url}  (Envoy → EPP ext_proc {args.body_mode}, response "
+              f"{stack.response_path} → decode pod → its prefill pod)")
         print(f"epp      metrics {stack.metrics_url}  config {config}")
         print(f"pods     endpoints file {stack.epp_file} (Grove labels, node topology)")
         for p in layout.pods:

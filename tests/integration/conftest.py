@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 import yaml
 
-from epp.stack.envoy import EnvoyProcess, render_envoy_config
+from epp.stack.envoy import DEFAULT_RESPONSE_PATH, EnvoyProcess, render_envoy_config
 from epp.stack.procs import ManagedProcess, free_port, wait_port
 
 from tests.integration.plugins import CONFIG
@@ -111,6 +111,7 @@ class Stack:
     epp: Epp
     envoy: EnvoyProcess
     port: int
+    response_path: str = DEFAULT_RESPONSE_PATH
 
     @property
     def url(self) -> str:
@@ -141,11 +142,15 @@ async def start_stack(mode: str, upstreams: Upstreams, workdir: Path,
                       endpoint_ports: list[int] | None = None, config: str | None = CONFIG,
                       override_host: bool = False, extra_args: list[str] | None = None,
                       extra_env: dict[str, str] | None = None,
-                      response_path: str = "inline") -> Stack:
+                      response_path: str = DEFAULT_RESPONSE_PATH) -> Stack:
     """Envoy + EPP over ``endpoint_ports`` (default: the first three upstreams).
 
     ``override_host``: route with Envoy's override_host policy over a STATIC cluster of the
     endpoints (needed for fallbacks), instead of the ORIGINAL_DST cluster.
+    ``response_path``: the gateway shape (``epp.stack.envoy.render_envoy_config``); the
+    default is the shipped one, lean (the EPP never sees a response body). Tests that
+    assert what only a response-body path gives — token usage metrics, the model-name
+    rewrite-back — pass ``"inline"`` (GIE's shape).
     """
     ports = endpoint_ports if endpoint_ports is not None else upstreams.ports[:3]
     epp = Epp(workdir, workdir / "endpoints.yaml", config=config, extra_args=extra_args or [],
@@ -166,7 +171,7 @@ async def start_stack(mode: str, upstreams: Upstreams, workdir: Path,
         await envoy.stop()
         await epp.stop()
         raise
-    return Stack(mode, upstreams, epp, envoy, port)
+    return Stack(mode, upstreams, epp, envoy, port, response_path)
 
 
 async def stop_stack(stack: Stack) -> None:
@@ -177,8 +182,21 @@ async def stop_stack(stack: Stack) -> None:
 @pytest_asyncio.fixture(scope="session", params=["FULL_DUPLEX_STREAMED", "BUFFERED"])
 async def stack(request: pytest.FixtureRequest, upstreams: Upstreams,
                 tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
-    """A shared stack per body mode routing to the first three upstreams."""
+    """A shared stack per body mode routing to the first three upstreams, in the shipped
+    (lean) gateway shape."""
     s = await start_stack(request.param, upstreams, tmp_path_factory.mktemp(request.param))
+    yield s
+    await stop_stack(s)
+
+
+@pytest_asyncio.fixture(scope="session", params=["FULL_DUPLEX_STREAMED", "BUFFERED"])
+async def inline_stack(request: pytest.FixtureRequest, upstreams: Upstreams,
+                       tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
+    """As ``stack``, in GIE's gateway shape (the response through the EPP too), for what
+    only that shape gives: token usage metrics, the model-name rewrite-back."""
+    s = await start_stack(request.param, upstreams,
+                          tmp_path_factory.mktemp(f"{request.param}-inline"),
+                          response_path="inline")
     yield s
     await stop_stack(s)
 

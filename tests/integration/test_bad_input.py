@@ -186,11 +186,16 @@ CASES: list[Case] = [
 ]
 
 
-@pytest_asyncio.fixture(scope="module", params=["FULL_DUPLEX_STREAMED", "BUFFERED"])
+@pytest_asyncio.fixture(scope="module", params=[
+    ("FULL_DUPLEX_STREAMED", "lean"), ("BUFFERED", "lean"),
+    ("FULL_DUPLEX_STREAMED", "inline"), ("BUFFERED", "inline")], ids=lambda p: "-".join(p))
 async def bstack(request: pytest.FixtureRequest, upstreams: Upstreams,
                  tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
-    s = await start_stack(request.param, upstreams,
-                          tmp_path_factory.mktemp(f"bad-{request.param}"))
+    # Both gateway shapes: the shipped lean one, and GIE's, where the response (and the
+    # model-name rewrite-back) passes through the EPP too.
+    mode, shape = request.param
+    s = await start_stack(mode, upstreams, tmp_path_factory.mktemp(f"bad-{mode}-{shape}"),
+                          response_path=shape)
     yield s
     await stop_stack(s)
 

@@ -30,7 +30,8 @@ def test_demo_runs_and_summarises() -> None:
     out = r.stdout
     assert r.returncode == 0, out + r.stderr
     for needle in ("EPP:", "round-robin:", "TTFT p50", "TTFT p90", "prefix-cache hit rate",
-                   "throughput", "pod 0", "pod 2"):
+                   "throughput", "pod 0", "pod 2",
+                   "response lean"):  # the shipped gateway shape is the default
         assert needle in out, needle
     # The per-pod counts add up; conversations sharing a system prompt may share a pod
     # (prefix affinity), but 4 prompts do not all land on one pod.

@@ -2,8 +2,8 @@
 long streams finish within --drain-timeout, and what outlives it is cut.
 
 The model servers are `epp sim` pods slowed to ~100 ms per token, so a streamed response
-of N tokens lasts about N/10 seconds and its ext_proc stream (GIE's shape: the response
-passes through the EPP) is in flight all that time.
+of N tokens lasts about N/10 seconds and its ext_proc stream is in flight all that time
+(in the default lean gateway shape too: Envoy ends the stream when the response ends).
 """
 
 from __future__ import annotations

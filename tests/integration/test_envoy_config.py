@@ -97,6 +97,55 @@ def test_rendered_config_passes_envoy_validate(body_mode: str, tmp_path: Path) -
     assert "OK" in result.stdout + result.stderr
 
 
+# Trailers SEND keeps the stream open until the response ends (SKIP closes it after the
+# response headers in FULL_DUPLEX_STREAMED: test_gateway_shapes.py holds the timing).
+_LEAN_RESPONSE = {"response_header_mode": "SEND", "response_body_mode": "NONE",
+                  "response_trailer_mode": "SEND"}
+#: (body mode, response path) → the routing filter's exact ProcessingMode.
+_PROCESSING_MODES = {
+    ("FULL_DUPLEX_STREAMED", "lean"): {
+        "request_header_mode": "SEND", "request_body_mode": "FULL_DUPLEX_STREAMED",
+        "request_trailer_mode": "SEND", **_LEAN_RESPONSE},
+    ("BUFFERED", "lean"): {
+        "request_header_mode": "SEND", "request_body_mode": "BUFFERED",
+        "request_trailer_mode": "SKIP", **_LEAN_RESPONSE},
+    ("FULL_DUPLEX_STREAMED", "inline"): {
+        "request_header_mode": "SEND", "request_body_mode": "FULL_DUPLEX_STREAMED",
+        "request_trailer_mode": "SEND", "response_header_mode": "SEND",
+        "response_body_mode": "FULL_DUPLEX_STREAMED", "response_trailer_mode": "SEND"},
+    ("BUFFERED", "inline"): {
+        "request_header_mode": "SEND", "request_body_mode": "BUFFERED",
+        "request_trailer_mode": "SKIP", "response_header_mode": "SEND",
+        "response_body_mode": "STREAMED", "response_trailer_mode": "SKIP"},
+}
+
+
+@pytest.mark.parametrize("body_mode,response_path", sorted(_PROCESSING_MODES))
+def test_gateway_shapes_render_their_processing_mode(body_mode: str, response_path: str,
+                                                     tmp_path: Path) -> None:
+    """Lean (the default: response headers only, no response body or trailers) and GIE's
+    inline shape, each with one ext_proc filter Envoy accepts."""
+    config = render_envoy_config(listen_port=1001, epp_port=1002, admin_port=1003,
+                                 body_mode=body_mode, response_path=response_path)
+    if response_path == "lean":
+        assert config == render_envoy_config(listen_port=1001, epp_port=1002,
+                                             admin_port=1003, body_mode=body_mode)
+    hcm = yaml.safe_load(config)["static_resources"]["listeners"][0]["filter_chains"][0][
+        "filters"][0]["typed_config"]
+    assert [f["name"] for f in hcm["http_filters"]] == ["envoy.filters.http.ext_proc",
+                                                        "envoy.filters.http.router"]
+    ext_proc = hcm["http_filters"][0]["typed_config"]
+    assert ext_proc["processing_mode"] == _PROCESSING_MODES[(body_mode, response_path)]
+    assert "initial_metadata" not in ext_proc["grpc_service"]
+    assert ext_proc["response_attributes"] == ["response.flags", "upstream.address"]
+    path = tmp_path / "envoy.yaml"
+    path.write_text(config)
+    result = subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
+        check=False, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 @pytest.mark.parametrize("body_mode", BODY_MODES)
 def test_observer_response_path_renders_two_filters_envoy_accepts(body_mode: str,
                                                                    tmp_path: Path) -> None:
@@ -267,10 +316,13 @@ class _FixedPicker(pb_grpc.ExternalProcessorServicer):
                 yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
 
 
+@pytest.mark.parametrize("response_path", ["lean", "inline"])
 @pytest.mark.parametrize("body_mode", BODY_MODES)
-async def test_traffic_routes_through_ext_proc(body_mode: str, tmp_path: Path) -> None:
+async def test_traffic_routes_through_ext_proc(body_mode: str, response_path: str,
+                                               tmp_path: Path) -> None:
     sim_port = free_port()
-    config, ports = _render(body_mode, max_body_bytes=16 << 20, message_timeout_s=10)
+    config, ports = _render(body_mode, max_body_bytes=16 << 20, message_timeout_s=10,
+                            response_path=response_path)
     base = f"http://127.0.0.1:{ports['listen_port']}"
     timeout = aiohttp.ClientTimeout(total=30)
 

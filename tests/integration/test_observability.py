@@ -26,9 +26,10 @@ async def test_metrics_count_requests_errors_and_tokens(
         upstreams: Upstreams, session: aiohttp.ClientSession, tmp_path: Path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text("s3cret\n")
+    # Token usage comes from the response body: GIE's shape ("inline"), not the lean one.
     s = await start_stack("FULL_DUPLEX_STREAMED", upstreams, tmp_path, extra_args=[
         "--metrics-endpoint-auth", str(token_file), "--enable-explain-header",
-        "--explain-history", "50"])
+        "--explain-history", "50"], response_path="inline")
     murl = f"http://127.0.0.1:{s.epp.metrics_port}"
     auth = {"Authorization": "Bearer s3cret"}
     try:

@@ -112,7 +112,10 @@ async def test_one_megabyte_body_arrives_byte_exact(
 
 
 async def test_sse_streams_through_and_usage_is_counted(
-        stack: Stack, session: aiohttp.ClientSession) -> None:
+        inline_stack: Stack, session: aiohttp.ClientSession) -> None:
+    # Usage is read from the response body: GIE's shape (the lean shape never sends the
+    # body to the EPP; test_gateway_shapes.py covers SSE there).
+    stack = inline_stack
     before = await stack.epp.metric(session, "inference_objective_output_tokens_sum")
     body = orjson.dumps({"model": "sim-model", "stream": True, "max_tokens": 20,
                          "stream_options": {"include_usage": True},

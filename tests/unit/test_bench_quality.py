@@ -309,6 +309,12 @@ def test_parse_routers(tmp_path: Path) -> None:
     assert [r.label for r in rs] == ["epp", "round-robin", "random", "sglang", "epp:c"]
     assert rs[0].config is None and rs[-1].config == str(cfg.resolve())
     assert quality.parse_routers("epp", str(cfg))[0].config == str(cfg.resolve())
+    # The plain EPP router runs behind the shipped (lean) gateway shape; the others are
+    # there to compare shapes.
+    shapes = quality.parse_routers(f"epp,epp-inline,epp-observer={cfg}", None)
+    assert [(r.kind, r.label, r.response_path) for r in shapes] == [
+        ("epp", "epp", "lean"), ("epp", "epp-inline", "inline"),
+        ("epp", "epp-observer:c", "observer")]
     for bad in ("nginx", "round-robin=x.yaml", "epp,epp", ""):
         with pytest.raises(ValueError):
             quality.parse_routers(bad, None)

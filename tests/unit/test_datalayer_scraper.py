@@ -8,20 +8,32 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
+import struct
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from aiohttp import web
 
 from epp import keys
-from epp.datalayer.scraper import MetricsScraper, ScrapeOptions, ScraperCollector, _LagGovernor
+from epp.config.loader import load_and_build
+from epp.datalayer.scraper import (
+    UNREACHABLE_AFTER_TIMEOUTS,
+    MetricsScraper,
+    ScrapeOptions,
+    ScraperCollector,
+    _LagGovernor,
+)
 from epp.datastore.store import Datastore
 from epp.errors import ConfigError
+from epp.observability.metrics import EppMetrics
+from epp.requestcontrol.director import Director, SchedulingCore
 from epp.scheduling.types import Endpoint, Metrics
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
@@ -65,9 +77,10 @@ class Pods:
         self.pods: list[FakePod] = []
         self.runners: list[web.AppRunner] = []
 
-    async def add(self, body: str, path: str = "/metrics") -> FakePod:
+    async def add(self, body: str, path: str = "/metrics", port: int = 0) -> FakePod:
         sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
         sock.listen(128)
         pod = FakePod(sock.getsockname()[1], body, path=path)
 
@@ -457,3 +470,409 @@ async def test_collector_exports_scrape_counts(pods: Pods,
     assert ok[0].value >= 2
     assert fams["epp_model_server_metrics_stale_endpoints"].samples[0].value == 0
     assert fams["epp_model_server_scrape_interval_seconds"].samples[0].value == 0.01
+
+
+# ---------------------------------------------------------------- untrusted bodies (issue 19)
+
+
+class Misbehaving:
+    """Servers whose /metrics misbehave, torn down with the test.
+
+    ``flood``: 200, chunked, no Content-Length, 64 KiB chunks forever (``flood_closed``
+    counts the floods the client cut off). ``trickle``: 200, then one byte every 20 ms.
+    ``body``: 200 with the given bytes. Raw TCP: ``hang`` accepts and reads but never
+    answers; ``close`` closes before answering; ``reset`` resets the connection.
+    """
+
+    def __init__(self) -> None:
+        self.runners: list[web.AppRunner] = []
+        self.servers: list[asyncio.Server] = []
+        self.writers: list[asyncio.StreamWriter] = []
+        self.done = asyncio.Event()
+        self.flood_started = 0
+        self.flood_closed = 0
+        self.bodies: dict[int, Callable[[], bytes]] = {}
+
+    async def http(self, kind: str, body: Callable[[], bytes] | None = None) -> int:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            if kind == "body":
+                assert body is not None
+                return web.Response(body=body(), content_type="text/plain")
+            resp = web.StreamResponse(headers={"Content-Type": "text/plain"})
+            resp.enable_chunked_encoding()
+            await resp.prepare(request)
+            chunk = b"# " + b"x" * (64 << 10) + b"\n" if kind == "flood" else b"#"
+            if kind == "flood":
+                self.flood_started += 1
+            try:
+                while not self.done.is_set():
+                    await resp.write(chunk)
+                    if kind == "trickle":
+                        await asyncio.sleep(0.02)
+            except (ConnectionError, RuntimeError):
+                if kind == "flood":
+                    self.flood_closed += 1
+            return resp
+
+        app = web.Application()
+        app.router.add_get("/metrics", handler)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+        await runner.setup()
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(16)
+        await web.SockSite(runner, sock).start()
+        self.runners.append(runner)
+        port: int = sock.getsockname()[1]
+        return port
+
+    async def tcp(self, kind: str) -> int:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            self.writers.append(writer)
+            if kind == "close":
+                writer.close()
+            elif kind == "reset":
+                sock = writer.get_extra_info("socket")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                writer.transport.abort()
+            else:  # hang: read the request, never answer
+                await self.done.wait()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        self.servers.append(server)
+        port: int = server.sockets[0].getsockname()[1]
+        return port
+
+    async def close(self) -> None:
+        self.done.set()
+        for w in self.writers:
+            w.close()
+        for srv in self.servers:
+            srv.close()
+            await srv.wait_closed()
+        for r in self.runners:
+            await r.cleanup()
+
+
+@pytest.fixture
+async def bad() -> AsyncIterator[Misbehaving]:
+    m = Misbehaving()
+    try:
+        yield m
+    finally:
+        await m.close()
+
+
+def ep_at(port: int) -> Endpoint:
+    return Endpoint(f"pod-{port}", "127.0.0.1", port)
+
+
+def warnings(caplog: pytest.LogCaptureFixture, fragment: str) -> int:
+    return sum(fragment in r.getMessage() for r in caplog.records
+               if r.levelno >= logging.WARNING)
+
+
+async def test_flooding_chunked_body_is_cut_at_the_cap(
+        bad: Misbehaving, scrapers: list[MetricsScraper],
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    port = await bad.http("flood")
+    store = Datastore()
+    store.set_endpoints([ep_at(port)])
+    # The poll timeout is far away: the read must stop at the cap, not at the timeout.
+    s = start(scrapers, store, opts(timeout_s=60.0, max_body_bytes=256 << 10,
+                                    staleness_threshold_s=60.0))
+    key = f"127.0.0.1:{port}"
+    t0 = time.monotonic()
+    await eventually(lambda: s.scrapes_failed >= 3, timeout=10.0, what="3 aborted polls")
+    assert time.monotonic() - t0 < 10.0
+    err = s.last_error(key) or ""
+    assert "exceeds the 262144-byte cap" in err and "--model-server-metrics-max-bytes" in err
+    # The connection is dropped (not drained): the server sees its flood cut off.
+    await eventually(lambda: bad.flood_closed >= 2, what="floods cut off by the client")
+    assert warnings(caplog, "cap") == 1  # logged once, not once per poll
+    assert s.unreachable_count() == 0  # it answered: failed, not unreachable
+    m = store.get(key)
+    assert m is not None and not m.metrics.unreachable and m.metrics.updated_at is None
+
+
+async def test_content_length_over_the_cap_is_refused_unread(
+        bad: Misbehaving, scrapers: list[MetricsScraper]) -> None:
+    port = await bad.http("body", lambda: b"# " + b"x" * (300 << 10) + b"\n")
+    store = Datastore()
+    store.set_endpoints([ep_at(port)])
+    s = start(scrapers, store, opts(max_body_bytes=256 << 10))
+    await eventually(lambda: s.scrapes_failed >= 1)
+    assert "(Content-Length) exceeds the 262144-byte cap" in (s.last_error(f"127.0.0.1:{port}")
+                                                              or "")
+
+
+async def test_trickling_body_is_bounded_by_the_timeout(
+        bad: Misbehaving, scrapers: list[MetricsScraper]) -> None:
+    port = await bad.http("trickle")
+    store = Datastore()
+    store.set_endpoints([ep_at(port)])
+    s = start(scrapers, store, opts(timeout_s=0.2, max_interval_s=0.02))
+    await eventually(lambda: s.scrapes_failed >= 4, what="4 timed-out polls")
+    assert "reading the body" in (s.last_error(f"127.0.0.1:{port}") or "")
+    assert s.unreachable_count() == 0  # headers came: the pod is up, only slow
+
+
+async def test_hanging_endpoint_is_unreachable_after_consecutive_timeouts_then_recovers(
+        pods: Pods, scrapers: list[MetricsScraper], caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    pod = await pods.add(fixture("vllm.txt"))
+    store = Datastore()
+    store.set_endpoints([pod.endpoint()])
+    s = start(scrapers, store, opts(timeout_s=0.1, max_interval_s=0.02,
+                                    staleness_threshold_s=10.0))
+    await eventually(lambda: metrics(store, pod).updated_at is not None)
+    n = s.scrapes_failed
+    pod.hang = True
+    await eventually(lambda: metrics(store, pod).unreachable, what="unreachable")
+    assert s.scrapes_failed - n >= UNREACHABLE_AFTER_TIMEOUTS  # not after a single timeout
+    assert [e.key for e in store.routable()] == [pod.key]  # the only one: fail open
+    pod.hang = False
+    pod.release.set()
+    await eventually(lambda: not metrics(store, pod).unreachable, what="reachable again")
+    msgs = [r.getMessage() for r in caplog.records]
+    assert sum("is unreachable (no response to 3 polls in a row)" in m for m in msgs) == 1
+    assert sum("reachable again" in m for m in msgs) == 1
+
+
+async def test_raw_hang_holds_no_more_than_the_timeout(
+        bad: Misbehaving, scrapers: list[MetricsScraper]) -> None:
+    port = await bad.tcp("hang")
+    store = Datastore()
+    store.set_endpoints([ep_at(port)])
+    s = start(scrapers, store, opts(timeout_s=0.1, max_interval_s=0.02))
+    await eventually(lambda: s.unreachable_count() == 1, what="unreachable after timeouts")
+    assert "waiting for a response" in (s.last_error(f"127.0.0.1:{port}") or "")
+
+
+def _random_garbage() -> bytes:
+    return os.urandom(64 << 10)
+
+
+@pytest.mark.parametrize("name,body", [
+    ("binary", lambda: bytes(range(256)) * 256),
+    ("random binary, different every poll", _random_garbage),
+    ("invalid UTF-8 in a metrics body",
+     lambda: fixture("vllm.txt").encode().replace(b"engine=", b"\xff\xfeengine=")),
+    ("one huge line, no newline", lambda: b"x" * (200 << 10)),
+    ("a wanted line with a million labels",
+     lambda: ("vllm:num_requests_waiting{" + ",".join(f'l{i}="v"' for i in range(40000))
+              + "} 1\n").encode()),
+    ("a wanted name on 5,000 lines",
+     lambda: b"vllm:num_requests_waiting 1\n" * 5000),
+    ("200 KB of wanted lines, each under the line limit",
+     lambda: b"".join(b'vllm:num_requests_waiting{l="%d",pad="%s"} 1\n' % (i, b"p" * 2000)
+                      for i in range(100))),
+    ("HTML", lambda: b"<html><body>metrics moved</body></html>\n"),
+])
+async def test_garbage_fails_the_poll_once_logged_and_hurts_nothing(
+        name: str, body: Callable[[], bytes], bad: Misbehaving, pods: Pods,
+        scrapers: list[MetricsScraper], caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    port = await bad.http("body", body)
+    good = await pods.add(fixture("vllm.txt"))
+    store = Datastore()
+    store.set_endpoints([ep_at(port), good.endpoint()])
+    s = start(scrapers, store, opts(max_body_bytes=1 << 20, max_interval_s=0.02,
+                                    staleness_threshold_s=10.0))
+    key = f"127.0.0.1:{port}"
+    await eventually(lambda: s.scrapes_failed >= 5, what="5 failed polls")
+    n = s.scrapes_ok
+    await eventually(lambda: s.scrapes_ok >= n + 5, what="the good pod still scraped")
+    assert "failed" in (s.last_error(key) or "")
+    assert warnings(caplog, key) == 1, [r.getMessage() for r in caplog.records]
+    assert all(len(r.getMessage()) < 600 for r in caplog.records)  # no garbage dumped
+    assert s.unreachable_count() == 0
+    assert metrics(store, good).running_requests == 7
+    assert len(s._line_cache) < 100 and s._line_cache.chars < (1 << 20)
+
+
+async def test_unusually_large_but_valid_body_is_read(pods: Pods,
+                                                     scrapers: list[MetricsScraper]) -> None:
+    # 3 MiB of unrelated families (many LoRA adapters, big histograms) under the 4 MiB cap.
+    pad = "".join(f'vllm:some_histogram_bucket{{le="{i}",lora="adapter-{i}"}} {i}\n'
+                  for i in range(60000))
+    pod = await pods.add(fixture("vllm.txt") + pad)
+    assert len(pod.body) > 3 << 20
+    store = Datastore()
+    store.set_endpoints([pod.endpoint()])
+    start(scrapers, store, opts(timeout_s=5.0, max_body_bytes=ScrapeOptions().max_body_bytes))
+    await eventually(lambda: metrics(store, pod).running_requests == 7, what="values")
+
+
+# ---------------------------------------------------------------- unreachable endpoints
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port  # nothing listens: connection refused
+
+
+@pytest.mark.parametrize("kind", ["refused", "close", "reset"])
+async def test_connection_errors_mark_unreachable_at_once(
+        kind: str, bad: Misbehaving, pods: Pods, scrapers: list[MetricsScraper],
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    port = closed_port() if kind == "refused" else await bad.tcp(kind)
+    good = await pods.add(fixture("vllm.txt"))
+    store = Datastore()
+    store.set_endpoints([ep_at(port), good.endpoint()])
+    # A long staleness threshold: exclusion must not wait for staleness.
+    s = start(scrapers, store, opts(staleness_threshold_s=30.0))
+    key = f"127.0.0.1:{port}"
+    await eventually(lambda: store.unreachable_count() == 1, what="unreachable")
+    assert s.scrapes_failed >= 1
+    e = store.get(key)
+    assert e is not None and e.metrics.unreachable and not e.metrics.stale
+    assert [x.key for x in store.routable()] == [good.key]
+    assert [x.key for x in store.snapshot()] == [key, good.key]  # listed, never dropped
+    fams = {f.name: f for f in ScraperCollector(s).collect()}
+    assert fams["epp_model_server_unreachable_endpoints"].samples[0].value == 1
+    per_pod = {x.labels["model_server_pod"]: x.value
+               for x in fams["epp_model_server_unreachable"].samples}
+    assert per_pod == {f"pod-{port}": 1.0, f"pod-{good.port}": 0.0}
+    n = s.scrapes_failed
+    await eventually(lambda: s.scrapes_failed >= n + 3, what="more failed polls")
+    assert sum("is unreachable" in r.getMessage() for r in caplog.records) == 1
+
+
+async def test_scheduler_never_gets_an_unreachable_endpoint(
+        scrapers: list[MetricsScraper], pods: Pods) -> None:
+    good = [await pods.add(fixture("vllm.txt")) for _ in range(2)]
+    dead = closed_port()
+    store = Datastore()
+    store.set_endpoints([ep_at(dead), *(p.endpoint() for p in good)])
+    start(scrapers, store, opts())
+    await eventually(lambda: store.unreachable_count() == 1)
+    built = load_and_build()
+    director = Director(SchedulingCore(store, built.scheduler, EppMetrics(store),
+                                       built.pre_request, built.response_complete))
+    picked = set()
+    for i in range(60):
+        r = await director.route({":method": "POST", ":path": "/v1/completions",
+                                  "x-request-id": f"r{i}"},
+                                 orjson.dumps({"model": "m", "prompt": f"p {i}"}), True, None)
+        picked.add(r.destination)
+    assert picked == {p.key for p in good}
+
+
+async def test_restarted_pod_is_reachable_again_within_a_second(
+        pods: Pods, scrapers: list[MetricsScraper], caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    port = closed_port()
+    store = Datastore()
+    store.set_endpoints([ep_at(port)])
+    # Default backoff bounds (ceiling = threshold / 4 = 0.5 s) at a 50 ms interval.
+    s = start(scrapers, store, opts(interval_s=0.05, staleness_threshold_s=2.0))
+    key = f"127.0.0.1:{port}"
+    await eventually(lambda: store.unreachable_count() == 1)
+    # Let the failure backoff reach its bound before the pod comes back.
+    await eventually(lambda: s.scrapes_failed >= 6, what="backoff at its bound")
+    pod = await pods.add(fixture("vllm.txt"), port=port)
+    t0 = time.monotonic()
+    await eventually(lambda: (e := store.get(key)) is not None and not e.metrics.unreachable,
+                     timeout=3.0, what="reachable again")
+    assert time.monotonic() - t0 < 1.2
+    assert [e.key for e in store.routable()] == [pod.key]
+    assert metrics(store, pod).running_requests == 7
+    assert sum("reachable again" in r.getMessage() for r in caplog.records) == 1
+
+
+async def test_error_status_clears_unreachable(pods: Pods,
+                                               scrapers: list[MetricsScraper]) -> None:
+    port = closed_port()
+    store = Datastore()
+    store.set_endpoints([ep_at(port)])
+    s = start(scrapers, store, opts(max_interval_s=0.02))
+    await eventually(lambda: store.unreachable_count() == 1)
+    pod = await pods.add(fixture("vllm.txt"), port=port)
+    pod.status = 503  # up, but its metrics are not ready: reachable, still failing
+    await eventually(lambda: store.unreachable_count() == 0, what="reachable")
+    assert "HTTP 503" in (s.last_error(pod.key) or "")
+
+
+def test_routable_fails_open_when_every_endpoint_is_unreachable(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="epp.datastore.store")
+    store = Datastore()
+    eps = [Endpoint(f"p{i}", "10.0.0.1", 8000 + i) for i in range(3)]
+    store.set_endpoints(eps)
+    down = Metrics(unreachable=True)
+    assert store.routable() is store.snapshot()  # nothing unreachable: the snapshot itself
+    store.update_metrics(eps[0].key, down)
+    live = store.routable()
+    assert [e.key for e in live] == [eps[1].key, eps[2].key]
+    assert store.routable() is live  # cached with the snapshot: no work per request
+    store.update_metrics_many({eps[1].key: down, eps[2].key: down})
+    assert [e.key for e in store.routable()] == [e.key for e in eps]  # fail open
+    assert store.unreachable_count() == 3
+    for _ in range(3):
+        store.update_metrics(eps[0].key, down)  # new snapshots, still all down
+        assert len(store.routable()) == 3
+    store.update_metrics(eps[2].key, Metrics())
+    assert [e.key for e in store.routable()] == [eps[2].key]
+    msgs = [r.getMessage() for r in caplog.records]
+    assert sum("fail open" in m and "every endpoint (3)" in m for m in msgs) == 1
+    assert sum("fail open ended" in m for m in msgs) == 1
+    # Discovery keeps the mark for endpoints it keeps; a re-added endpoint starts clean.
+    store.set_endpoints(eps[1:])
+    store.set_endpoints(eps)
+    assert not store.get(eps[0].key).metrics.unreachable  # type: ignore[union-attr]
+    assert store.get(eps[1].key).metrics.unreachable  # type: ignore[union-attr]
+
+
+def test_max_body_bytes_is_validated() -> None:
+    with pytest.raises(ConfigError, match="--model-server-metrics-max-bytes"):
+        ScrapeOptions(max_body_bytes=10).validate()
+
+
+def test_cli_flag_sets_the_cap() -> None:
+    from epp.cli import build_parser
+
+    base = ["serve", "--endpoints", "10.0.0.1:8000"]
+    assert build_parser().parse_args(base).model_server_metrics_max_bytes \
+        == ScrapeOptions().max_body_bytes == 4 << 20
+    a = build_parser().parse_args([*base, "--model-server-metrics-max-bytes", "1048576"])
+    assert a.model_server_metrics_max_bytes == 1 << 20
+
+
+async def test_utf8_split_across_chunks_and_truncated_utf8(
+        bad: Misbehaving, scrapers: list[MetricsScraper]) -> None:
+    # A multi-byte character split over chunk boundaries is fine; one cut off is not.
+    other = "".join(f'other_metric{{m="modèle-ünïcødé-{i}"}} 1\n' for i in range(12000))
+    ok = (other + 'vllm:num_requests_waiting{m="modèle"} 4\n'
+          'vllm:num_requests_running 2\nvllm:kv_cache_usage_perc 0.5\n').encode()
+    assert len(ok) > 300_000  # several chunks
+    good = await bad.http("body", lambda: ok)
+    cut = await bad.http("body", lambda: ok[:50] + "é".encode()[:1])
+    store = Datastore()
+    store.set_endpoints([ep_at(good), ep_at(cut)])
+    s = start(scrapers, store, opts(max_body_bytes=1 << 20))
+    await eventually(lambda: (e := store.get(f"127.0.0.1:{good}")) is not None
+                     and e.metrics.waiting_queue_size == 4, what="multi-chunk UTF-8 body")
+    await eventually(lambda: "UTF-8" in (s.last_error(f"127.0.0.1:{cut}") or ""))
+
+
+async def test_gateway_report_marks_unreachable_until_the_next_answer(
+        pods: Pods, scrapers: list[MetricsScraper]) -> None:
+    """Envoy's connect-failure report excludes an endpoint at once; a scrape that gets an
+    answer puts it back (a wrong report costs at most one interval)."""
+    a = await pods.add(fixture("vllm.txt"))
+    b = await pods.add(fixture("vllm.txt"))
+    store = Datastore()
+    store.set_endpoints([ep_at(a.port), ep_at(b.port)])
+    s = start(scrapers, store, opts(interval_s=0.05))
+    key = f"127.0.0.1:{a.port}"
+    await eventually(lambda: s.scrapes_ok >= 2)
+    s.report_unreachable(key)
+    s.report_unreachable("10.9.9.9:1")  # not an endpoint: ignored
+    s._commit()  # noqa: SLF001 (apply the staged write now, as the commit timer would)
+    assert [e.key for e in store.routable()] == [f"127.0.0.1:{b.port}"]
+    await eventually(lambda: len(store.routable()) == 2, what="cleared by the next scrape")

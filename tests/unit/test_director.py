@@ -165,3 +165,15 @@ async def test_failing_plugins_after_the_decision_do_not_leak_it() -> None:
     assert r.destination and _running(d) == 1
     d.on_done(r.context, aborted=True)
     assert _running(d) == 0
+
+
+async def test_upstream_failure_is_counted_per_pod_and_handed_to_the_hook() -> None:
+    d, _ = make_director()
+    core = d.core.core  # type: ignore[attr-defined]
+    seen: list[str] = []
+    core.on_upstream_failure = seen.append
+    r = await d.route(H, CHAT, True, None)
+    d.on_upstream_failure(r.context, "10.0.0.2:8000")
+    assert seen == ["10.0.0.2:8000"]
+    assert core.metrics.registry.get_sample_value(
+        "epp_gateway_upstream_connect_failures_total", {"model_server_pod": "p2"}) == 1

@@ -28,12 +28,11 @@ class HeldStreams(pb_grpc.ExternalProcessorServicer):
         self.release = asyncio.Event()
         self.closed = 0  # streams whose handler ran its clean-up
 
-    async def Process(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:
+    async def Process(self, request_iterator: Any, context: Any) -> None:
         try:
-            async for _ in request_iterator:
-                yield pb.ProcessingResponse()
+            if await context.read() is not grpc.aio.EOF:
+                await context.write(pb.ProcessingResponse())
                 await self.release.wait()
-                return
         finally:
             self.closed += 1
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Mapping, Sequence
 
+import grpc
 import orjson
 import pytest
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
@@ -320,8 +321,29 @@ class Feed:
         return m
 
 
-async def drive(servicer: Any, feed: Feed, context: Any) -> list[pb.ProcessingResponse]:
-    return [r async for r in servicer.Process(feed, context)]
+class StreamContext:
+    """What grpc.aio gives a read()/write() handler: ``context``'s metadata, ``feed``'s
+    messages (None = the end of the stream), the answers collected."""
+
+    def __init__(self, context: FakeContext, feed: Feed) -> None:
+        self._context, self._feed = context, feed
+        self.written: list[pb.ProcessingResponse] = []
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._context.invocation_metadata()
+
+    async def read(self) -> Any:
+        m = await self._feed.queue.get()
+        return grpc.aio.EOF if m is None else m
+
+    async def write(self, msg: pb.ProcessingResponse) -> None:
+        self.written.append(msg)
+
+
+async def drive(servicer: Any, feed: Feed, context: FakeContext) -> list[pb.ProcessingResponse]:
+    ctx = StreamContext(context, feed)
+    await servicer.Process(feed, ctx)
+    return ctx.written
 
 
 def observed(msg: pb.ProcessingRequest) -> pb.ProcessingRequest:
@@ -526,3 +548,96 @@ async def test_envoy_connect_failure_attributes_name_the_endpoint() -> None:
         await s3.handle(headers_msg(eos=True))
         await s3.handle(_response_headers(200 if flags is None else 503, flags, "10.0.0.1:8000"))
         assert not [c for c in d3.calls if c[0] == "upstream_failure"]
+
+
+def _lean_headers(eos: bool = False) -> pb.ProcessingRequest:
+    msg = headers_msg(FD, eos=eos)
+    msg.protocol_config.response_body_mode = ProcessingMode.NONE  # type: ignore[assignment]
+    return msg
+
+
+@pytest.mark.parametrize("clean", [True, False])
+async def test_lean_shape_completes_at_stream_end_after_response_headers(clean: bool) -> None:
+    """Lean shape (response body NONE): Envoy ends the stream when the HTTP request ends,
+    cleanly or not; the request is completed exactly once, with its status."""
+    d = FakeDirector()
+    s = ExtProcStream(d, 1 << 20)
+    assert await s.handle(_lean_headers()) == []
+    await s.handle(body_msg(BODY, eos=True))
+    out = await s.handle(_response_headers(200, None, None))
+    assert out[0].HasField("response_headers")
+    assert not [c for c in d.calls if c[0] == "done"]
+    assert s.finish(clean=clean) == "completed"
+    assert [c for c in d.calls if c[0] == "done"] == [("done", "ctx", False)]
+    s.finish(clean=clean)
+    assert len([c for c in d.calls if c[0] == "done"]) == 1
+
+
+async def test_lean_shape_without_a_response_is_aborted() -> None:
+    d = FakeDirector()
+    s = ExtProcStream(d, 1 << 20)
+    await s.handle(_lean_headers())
+    await s.handle(body_msg(BODY, eos=True))
+    assert s.finish(clean=True) == "aborted"
+    assert [c for c in d.calls if c[0] == "done"] == [("done", "ctx", True)]
+
+
+async def test_gie_shape_stream_end_mid_response_is_still_aborted() -> None:
+    d = FakeDirector()
+    s = ExtProcStream(d, 1 << 20)
+    await s.handle(headers_msg(FD))
+    await s.handle(body_msg(BODY, eos=True))
+    await s.handle(_response_headers(200, None, None))
+    assert s.finish(clean=False) == "aborted"
+    assert [c for c in d.calls if c[0] == "done"] == [("done", "ctx", True)]
+
+
+async def test_queued_response_chunks_are_coalesced_into_one_answer() -> None:
+    """GIE's shape: chunks that queued up while an answer was being written go back as
+    one StreamedBodyResponse; bytes and order exact, end_of_stream once, at the end."""
+    d = FakeDirector()
+    outcomes: list[str] = []
+    svc = ExtProcServicer(d, 1 << 20, on_stream_end=outcomes.append)
+    feed = Feed()
+    chunks = [f"data: {i}\n\n".encode() for i in range(5)]
+    feed.put(headers_msg(FD), body_msg(BODY, eos=True), resp_headers_msg(),
+             *[resp_body_msg(c, i == 4) for i, c in enumerate(chunks)],
+             pb.ProcessingRequest(response_trailers=pb.HttpTrailers()), None)
+    answers = await drive(svc, feed, FakeContext())
+    echoes = [a.response_body.response.body_mutation.streamed_response for a in answers
+              if a.HasField("response_body")]
+    assert b"".join(e.body for e in echoes) == b"".join(chunks)
+    assert [e.end_of_stream for e in echoes] == [False] * (len(echoes) - 1) + [True]
+    assert len(echoes) < len(chunks)
+    assert answers[-1].HasField("response_trailers")
+    assert [c for c in d.calls if c[0] == "done"] == [("done", "ctx", False)]
+    assert outcomes == ["completed"]
+
+
+async def test_first_response_chunk_is_answered_before_the_next_arrives() -> None:
+    d = FakeDirector()
+    svc = ExtProcServicer(d, 1 << 20)
+    feed = Feed()
+    ctx = StreamContext(FakeContext(), feed)
+    task = asyncio.create_task(svc.Process(feed, ctx))
+    feed.put(headers_msg(FD), body_msg(BODY, eos=True), resp_headers_msg(),
+             resp_body_msg(b"first", False))
+    for _ in range(50):
+        await asyncio.sleep(0)
+    bodies = [a.response_body.response.body_mutation.streamed_response.body
+              for a in ctx.written if a.HasField("response_body")]
+    assert bodies == [b"first"]
+    feed.put(resp_body_msg(b"second", True), None)
+    await task
+    assert [c for c in d.calls if c[0] == "done"] == [("done", "ctx", False)]
+
+
+async def test_first_lean_stream_names_plugins_that_need_response_bodies(
+        caplog: pytest.LogCaptureFixture) -> None:
+    svc = ExtProcServicer(FakeDirector(), 1 << 20, body_consumers=["usage-meter"])
+    for _ in range(2):
+        feed = Feed()
+        feed.put(_lean_headers(), body_msg(BODY, eos=True), None)
+        await drive(svc, feed, FakeContext())
+    warnings = [r for r in caplog.records if "usage-meter" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].levelname == "WARNING"

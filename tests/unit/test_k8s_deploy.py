@@ -143,6 +143,18 @@ def test_gateway_snippets_route_to_the_pool() -> None:
     assert clusters["epp"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0][
         "endpoint"]["address"]["socket_address"] == {"address": "vllm-pool-epp",
                                                      "port_value": 9002}
+    # The standalone gateway ships the default (lean) gateway shape, exactly as the tested
+    # template renders it.
+    from epp.stack.envoy import render_envoy_config
+
+    def ext_proc_mode(doc: dict[str, object]) -> object:
+        hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0][  # type: ignore[index]
+            "filters"][0]["typed_config"]
+        (ext_proc,) = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"]
+        return ext_proc["typed_config"]["processing_mode"]
+    rendered = yaml.safe_load(render_envoy_config(listen_port=1, epp_port=2, admin_port=3))
+    assert ext_proc_mode(envoy) == ext_proc_mode(rendered)
+    assert ext_proc_mode(envoy)["response_body_mode"] == "NONE"  # type: ignore[index]
 
 
 def test_dockerfile() -> None:

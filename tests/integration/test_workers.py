@@ -87,3 +87,59 @@ async def test_workers_route_reject_and_count_like_one_process(
         assert samples(text, "inference_objective_running_requests")['{model_name="m"}'] == 0
     finally:
         await stop_stack(s)
+
+
+AFFINITY_CONFIG = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: approx-prefix-cache-producer
+- type: prefix-cache-scorer
+- type: no-hit-lru-scorer
+  parameters: {prefixPluginName: prefix-cache-scorer}
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - {pluginRef: prefix-cache-scorer, weight: 3}
+  - {pluginRef: no-hit-lru-scorer, weight: 1}
+  - {pluginRef: max-score-picker}
+"""
+
+
+async def _placements(upstreams: Upstreams, session: aiohttp.ClientSession, tmp_path: Path,
+                      workers: int) -> list[str]:
+    """The pod of each request of a fixed sequence: 6 prefix groups, interleaved."""
+    work = tmp_path / f"w{workers}"
+    work.mkdir()
+    s = await start_stack("FULL_DUPLEX_STREAMED", upstreams, work,
+                          config=AFFINITY_CONFIG, extra_args=["--workers", str(workers)])
+    try:
+        out = []
+        for i in range(24):
+            group = i % 6
+            prompt = f"group {group} " + "shared system prompt words " * 80 + f"question {i}"
+            body = orjson.dumps({"model": "m", "prompt": prompt, "max_tokens": 1})
+            async with session.post(s.url + "/v1/completions", data=body) as r:
+                assert r.status == 200
+                out.append(r.headers["x-sim-server"])
+        return out
+    finally:
+        await stop_stack(s)
+
+
+async def test_several_fronts_decide_as_one_process(upstreams: Upstreams,
+                                                    session: aiohttp.ClientSession,
+                                                    tmp_path: Path) -> None:
+    """The same request sequence through one process and through two fronts: the core
+    holds one prefix index, so the decisions have the same structure — a cold group goes
+    to the least recently used pod (the first three groups to three different pods, the
+    next three likewise) and every later request of a group follows its first. (Which pod
+    a cold group gets first depends on the core's LRU order, not on the front that
+    carried it.)"""
+    for workers in (1, 2):
+        placed = await _placements(upstreams, session, tmp_path, workers)
+        by_group = {g: {placed[i] for i in range(g, 24, 6)} for g in range(6)}
+        assert all(len(pods) == 1 for pods in by_group.values()), (workers, by_group)
+        firsts = [next(iter(by_group[g])) for g in range(6)]
+        assert len(set(firsts[:3])) == 3 and len(set(firsts[3:])) == 3, (workers, firsts)

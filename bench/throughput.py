@@ -105,6 +105,7 @@ class Row:
     p99_ms: float
     errors: int
     epp_cpu_us: float | None
+    core_cpu_us: float | None = None  # of it, the main (scheduling core) process, --workers > 1
 
 
 def _cpu_seconds(pids: list[int]) -> float:
@@ -246,6 +247,7 @@ async def _epp_case(args: argparse.Namespace, load: Load, work: Path, up_port: i
         assert epp.pid is not None
         pids = _tree(epp.pid)
         c0 = _cpu_seconds(pids)
+        k0 = _cpu_seconds([epp.pid])
         spy = None
         if args.pyspy:
             spy = await asyncio.create_subprocess_exec(
@@ -255,11 +257,13 @@ async def _epp_case(args: argparse.Namespace, load: Load, work: Path, up_port: i
                 stderr=asyncio.subprocess.DEVNULL)
         rps, p50, p99, errs, total = await run_wrk(url, lua, conc, args.duration)
         cpu = _cpu_seconds(pids) - c0
+        core = _cpu_seconds([epp.pid]) - k0
         if spy is not None:
             await spy.wait()
         label = f"Envoy + EPP ({workers} worker{'s' if workers != 1 else ''}, {path})"
         return Row(load.name, label, conc, rps, p50, p99, errs,
-                   1e6 * cpu / total if total else None)
+                   1e6 * cpu / total if total else None,
+                   1e6 * core / total if total and workers > 1 else None)
     finally:
         await gw.stop()
         await epp.stop()
@@ -300,11 +304,14 @@ def main() -> None:
     rows = asyncio.run(main_async(args))
     print(f"# Envoy {args.envoy_workers} workers, {args.body_mode}, {args.duration:g}s per case "
           f"after {args.warmup:g}s warm-up; sse events {args.sse_gap_ms:g} ms apart")
-    print("| load | case | conc | req/s | p50 ms | p99 ms | errors | EPP CPU µs/req | ratio |")
+    print("| load | case | conc | req/s | p50 ms | p99 ms | errors | EPP CPU µs/req "
+          "(core) | ratio |")
     print("|---|---|---|---|---|---|---|---|---|")
     alone = {(r.load, r.concurrency): r.rps for r in rows if r.case == "Envoy alone"}
     for r in rows:
         cpu = "-" if r.epp_cpu_us is None else f"{r.epp_cpu_us:.0f}"
+        if r.core_cpu_us is not None:
+            cpu += f" ({r.core_cpu_us:.0f})"
         print(f"| {r.load} | {r.case} | {r.concurrency} | {r.rps:.0f} | {r.p50_ms:.2f} | "
               f"{r.p99_ms:.2f} | {r.errors} | {cpu} | "
               f"{r.rps / alone[(r.load, r.concurrency)]:.2f} |")

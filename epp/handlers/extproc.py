@@ -398,7 +398,7 @@ class ExtProcStream:
         """Account one full-duplex response body chunk and return the bytes to pass on.
 
         Never raises: a failing Director callback passes the chunk on unchanged."""
-        chunk = b.body
+        chunk: bytes = b.body
         self._resp_seen += len(chunk)
         if self._routing is not None:
             try:

@@ -218,7 +218,7 @@ def dumps_any_depth(value: Any, sort_keys: bool = False) -> bytes:
     open_value(value)
     while stack:
         frame = stack[-1]
-        item = next(frame[0], _END)
+        item: Any = next(frame[0], _END)
         if item is _END:
             out.append(frame[1])
             stack.pop()

@@ -159,11 +159,11 @@ class SchedulingCore:
         # From here on the request is placed: a failing plugin is logged and passed over
         # (as ResponseHeaders and ResponseComplete plugins are), so the decision and its
         # accounting always complete together.
-        for plugin in self.pre_request:
+        for pre in self.pre_request:
             try:
-                plugin.pre_request(request, result)
+                pre.pre_request(request, result)
             except Exception:
-                log.exception("PreRequest plugin %s failed", plugin.name)
+                log.exception("PreRequest plugin %s failed", pre.name)
         hit = request.plugin_state.get(keys.PLUGIN_STATE_PREFIX_HIT_RATIO)
         if hit is not None:
             self.metrics.prefix_hit_ratio.observe(hit)

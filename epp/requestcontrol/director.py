@@ -119,7 +119,10 @@ class SchedulingCore:
             candidates = self.store.routable()
             if subset is not None:
                 allowed = set(subset)
-                candidates = tuple(e for e in candidates if e.key in allowed)
+                candidates = tuple(e for e in candidates if e.key in allowed) or tuple(
+                    # Fail open within the hint, as over the whole pool: when it names only
+                    # endpoints the scrape calls unreachable, they are still candidates.
+                    e for e in self.store.snapshot() if e.key in allowed)
                 if not candidates:
                     raise ServiceUnavailable(
                         "no ready endpoint matches the subset hint "

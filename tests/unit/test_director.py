@@ -177,3 +177,14 @@ async def test_upstream_failure_is_counted_per_pod_and_handed_to_the_hook() -> N
     assert seen == ["10.0.0.2:8000"]
     assert core.metrics.registry.get_sample_value(
         "epp_gateway_upstream_connect_failures_total", {"model_server_pod": "p2"}) == 1
+
+
+async def test_subset_of_unreachable_endpoints_fails_open_within_the_hint() -> None:
+    d, store = make_director()
+    store.update_metrics("10.0.0.2:8000", Metrics(unreachable=True))
+    r = await d.route(H, CHAT, True, ["10.0.0.2:8000"])
+    assert r.destination == "10.0.0.2:8000"
+    # Without a hint the unreachable endpoint is not a candidate.
+    for _ in range(10):
+        r = await d.route(H, CHAT, True, None)
+        assert r.destination != "10.0.0.2:8000"

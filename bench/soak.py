@@ -72,6 +72,7 @@ import aiohttp
 import orjson
 import yaml
 
+from bench.throughput import cpu_seconds as cpu_s
 from epp.stack.envoy import BODY_MODES, RESPONSE_PATHS, EnvoyProcess, render_envoy_config
 from epp.stack.procs import ManagedProcess, free_port, wait_port
 
@@ -378,18 +379,6 @@ def rss_kb(pids: list[int]) -> int:
                     break
         except OSError:
             continue
-    return total
-
-
-def cpu_s(pids: list[int]) -> float:
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / tick
     return total
 
 

@@ -108,7 +108,7 @@ class Row:
     core_cpu_us: float | None = None  # of it, the main (scheduling core) process, --workers > 1
 
 
-def _cpu_seconds(pids: list[int]) -> float:
+def cpu_seconds(pids: list[int]) -> float:
     tick = os.sysconf("SC_CLK_TCK")
     total = 0.0
     for pid in pids:
@@ -246,8 +246,8 @@ async def _epp_case(args: argparse.Namespace, load: Load, work: Path, up_port: i
         await run_wrk(url, lua, conc, args.warmup)
         assert epp.pid is not None
         pids = _tree(epp.pid)
-        c0 = _cpu_seconds(pids)
-        k0 = _cpu_seconds([epp.pid])
+        c0 = cpu_seconds(pids)
+        k0 = cpu_seconds([epp.pid])
         spy = None
         if args.pyspy:
             spy = await asyncio.create_subprocess_exec(
@@ -256,8 +256,8 @@ async def _epp_case(args: argparse.Namespace, load: Load, work: Path, up_port: i
                 "--nonblocking", stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.DEVNULL)
         rps, p50, p99, errs, total = await run_wrk(url, lua, conc, args.duration)
-        cpu = _cpu_seconds(pids) - c0
-        core = _cpu_seconds([epp.pid]) - k0
+        cpu = cpu_seconds(pids) - c0
+        core = cpu_seconds([epp.pid]) - k0
         if spy is not None:
             await spy.wait()
         label = f"Envoy + EPP ({workers} worker{'s' if workers != 1 else ''}, {path})"

@@ -359,14 +359,17 @@ async def test_hanging_and_garbage_metrics_do_not_hurt_routing(
         await stop_stack(stack)
 
 
+@pytest.mark.parametrize("workers", [1, 2])
 async def test_envoy_reports_a_refused_connection_to_the_epp(
-        upstreams: Upstreams, tmp_path: Path) -> None:
+        workers: int, upstreams: Upstreams, tmp_path: Path) -> None:
     """The shipped Envoy config sends response.flags and upstream.address with the response
     headers; a connect failure (flag UF) reaches the EPP, which counts it per pod and
     marks the pod unreachable. The dead pod is the only one, so routing fails open to it
-    whether or not a scrape noticed first."""
+    whether or not a scrape noticed first. With ``--workers 2`` the report crosses from
+    the front to the scheduling core."""
     dead = free_port()
-    s = await start_stack("FULL_DUPLEX_STREAMED", upstreams, tmp_path, endpoint_ports=[dead])
+    s = await start_stack("FULL_DUPLEX_STREAMED", upstreams, tmp_path, endpoint_ports=[dead],
+                          extra_args=["--workers", str(workers)])
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
             for _ in range(3):

@@ -328,7 +328,7 @@ class RequestContext:
     status: int = 0
     usage: UsageParser | None = None
     model_back: tuple[bytes, bytes, bytes, bytes] | None = None  # rewrite-back patterns
-    tail: bytes = b""  # the last bytes of the response body seen
+    last: bytes = b""  # the last non-empty response body chunk seen (a reference, no copy)
 
 
 class Director:
@@ -384,7 +384,7 @@ class Director:
         if ctx.usage is not None:
             ctx.usage.feed(chunk)
         if chunk:
-            ctx.tail = chunk[-32:]
+            ctx.last = chunk
         if ctx.model_back is not None and chunk:
             a, b, c, d = ctx.model_back
             if a in chunk or c in chunk:
@@ -399,7 +399,7 @@ class Director:
         usage = None
         if 200 <= ctx.status < 300 and ctx.usage is not None:
             usage = ctx.usage.finish()
-            if aborted and (usage is not None or ctx.tail.rstrip().endswith(b"[DONE]")):
+            if aborted and (usage is not None or ctx.last[-32:].rstrip().endswith(b"[DONE]")):
                 # Envoy closed the stream without the final end-of-stream message, but the
                 # body is complete (its usage, or the SSE terminator, went through).
                 aborted = False

@@ -19,7 +19,6 @@ import yaml
 
 from epp.stack.envoy import DEFAULT_RESPONSE_PATH, EnvoyProcess, render_envoy_config
 from epp.stack.procs import ManagedProcess, free_port, wait_port
-
 from tests.integration.plugins import CONFIG
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,15 +120,21 @@ class Stack:
 @pytest_asyncio.fixture(scope="session")
 async def upstreams(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Upstreams]:
     ports = [free_port() for _ in range(N_UPSTREAMS)]
-    argv = [sys.executable, "-m", "epp.cli", "sim"]
+    proc = await start_sims(ports, tmp_path_factory.mktemp("sim") / "sim.log")
+    yield Upstreams(ports, proc)
+    await proc.stop()
+
+
+async def start_sims(ports: list[int], log_path: Path, *sim_args: str) -> ManagedProcess:
+    """One `epp sim` process serving a simulated pod on each port, all listening."""
+    argv = [sys.executable, "-m", "epp.cli", "sim", *sim_args]
     for p in ports:
         argv += ["--port", str(p)]
-    proc = ManagedProcess(argv, log_path=tmp_path_factory.mktemp("sim") / "sim.log")
+    proc = ManagedProcess(argv, log_path=log_path, cwd=ROOT)
     await proc.start()
     for p in ports:
         await wait_port("127.0.0.1", p, timeout=20)
-    yield Upstreams(ports, proc)
-    await proc.stop()
+    return proc
 
 
 @pytest_asyncio.fixture(scope="session")

@@ -23,7 +23,14 @@ import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epp.stack.procs import ManagedProcess, free_port, wait_port
-from tests.integration.conftest import ROOT, Stack, Upstreams, start_stack, stop_stack
+from tests.integration.conftest import (
+    ROOT,
+    Stack,
+    Upstreams,
+    start_sims,
+    start_stack,
+    stop_stack,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -35,13 +42,8 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 @pytest_asyncio.fixture(scope="module")
 async def slow_pods(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Upstreams]:
     ports = [free_port() for _ in range(2)]
-    argv = [sys.executable, "-m", "epp.cli", "sim", "--decode-base-ms", str(MS_PER_TOKEN)]
-    for p in ports:
-        argv += ["--port", str(p)]
-    proc = ManagedProcess(argv, log_path=tmp_path_factory.mktemp("slow-sim") / "sim.log")
-    await proc.start()
-    for p in ports:
-        await wait_port("127.0.0.1", p, timeout=20)
+    proc = await start_sims(ports, tmp_path_factory.mktemp("slow-sim") / "sim.log",
+                            "--decode-base-ms", str(MS_PER_TOKEN))
     yield Upstreams(ports, proc)
     await proc.stop()
 

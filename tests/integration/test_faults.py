@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,12 +27,12 @@ import orjson
 import pytest
 from aiohttp import web
 
-from epp.stack.procs import ManagedProcess, free_port, wait_port
+from epp.stack.procs import ManagedProcess, free_port
 from tests.integration.conftest import (
-    ROOT,
     Stack,
     Upstreams,
     eventually,
+    start_sims,
     start_stack,
     stop_stack,
 )
@@ -197,14 +196,7 @@ def epp_log(stack: Stack) -> str:
 
 
 async def sim(tmp_path: Path, name: str, ports: list[int]) -> ManagedProcess:
-    argv = [sys.executable, "-m", "epp.cli", "sim"]
-    for p in ports:
-        argv += ["--port", str(p)]
-    proc = ManagedProcess(argv, log_path=tmp_path / f"{name}.log", cwd=ROOT)
-    await proc.start()
-    for p in ports:
-        await wait_port("127.0.0.1", p, timeout=20)
-    return proc
+    return await start_sims(ports, tmp_path / f"{name}.log")
 
 
 # ---------------------------------------------------------------- (a) a pod dies

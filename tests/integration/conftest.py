@@ -71,6 +71,21 @@ class Epp:
         tmp.replace(self.endpoints_file)
 
     async def start(self) -> None:
+        """Start (or restart) the EPP. A first start whose ports another process took in
+        the meantime (free_port can only say a port *was* free) retries on fresh ones;
+        a restart keeps its ports, which Envoy's config names."""
+        first = self.starts == 0
+        for _ in range(2 if first else 0):
+            try:
+                return await self._start_once()
+            except RuntimeError as e:
+                if "cannot listen" not in str(e):
+                    raise
+            self.grpc_port, self.health_port, self.metrics_port = (
+                free_port(), free_port(), free_port())
+        await self._start_once()
+
+    async def _start_once(self) -> None:
         self.starts += 1
         self.proc = ManagedProcess(
             [sys.executable, "-m", "epp.cli", "serve", "--drain-quiet-period", "0", "--bind-address", "127.0.0.1",
@@ -83,10 +98,14 @@ class Epp:
             log_path=self.workdir / f"epp-{self.starts}.log", env={**_env(), **self.extra_env},
             cwd=ROOT)
         await self.proc.start()
-        try:
-            await wait_port("127.0.0.1", self.grpc_port, timeout=20)
-        except TimeoutError:
-            raise RuntimeError(f"epp did not start:\n{self.proc.log_tail()}") from None
+        for _ in range(100):  # up to 20 s, but not a moment longer once the process exited
+            try:
+                await wait_port("127.0.0.1", self.grpc_port, timeout=0.2)
+                return
+            except TimeoutError:
+                if self.proc.returncode is not None:
+                    break
+        raise RuntimeError(f"epp did not start:\n{self.proc.log_tail()}")
 
     async def stop(self) -> None:
         if self.proc is not None:

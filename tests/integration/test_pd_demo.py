@@ -10,8 +10,11 @@ from tests.integration.test_demo import ROOT, port_open, ports_in
 
 
 def test_pd_demo_runs_and_reports_same_rack_pairs() -> None:
+    # Light load is two users: at four (one per prefill pod) the prefill profile's load
+    # scorers often outweigh rack affinity and the same-rack share wanders 43-77 % from
+    # run to run (measured at this session's start too); at two it is 100 % (8 of 8 runs).
     r = subprocess.run([sys.executable, "-m", "epp.cli", "demo", "--pd", "--duration", "2",
-                        "--concurrency", "4"],
+                        "--concurrency", "2"],
                        capture_output=True, text=True, timeout=120, cwd=ROOT, check=False)
     out = r.stdout
     assert r.returncode == 0, out + r.stderr

@@ -41,9 +41,9 @@ from typing import Any
 import aiohttp
 import yaml
 
-from epp.bench.runner import Report, run
-from epp.bench.workload import Conversation, Workload, WorkloadSpec
 from epp.stack.pd import MODEL, PD_SIM_ARGS, PairStats, PdStack, grove_layout, repo_config
+from epp.stack.runner import Report, run
+from epp.stack.workload import Conversation, Workload, WorkloadSpec
 
 SCENARIOS = ("aggregated", "pd-aware", "pd-blind", "pd-aware-active")
 _WORDS = ("cluster", "replica", "token", "cache", "request", "queue", "budget", "region",

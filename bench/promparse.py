@@ -19,8 +19,8 @@ from __future__ import annotations
 import argparse
 import sys
 import timeit
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 

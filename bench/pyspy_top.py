@@ -15,16 +15,17 @@ def main() -> None:
     own: Counter[str] = Counter()
     incl: Counter[str] = Counter()
     total = 0
-    for line in open(path):
-        stack, _, count = line.rstrip().rpartition(" ")
-        if not stack:
-            continue
-        c = int(count)
-        total += c
-        frames = stack.split(";")
-        own[frames[-1]] += c
-        for f in set(frames):
-            incl[f] += c
+    with open(path) as lines:
+        for line in lines:
+            stack, _, count = line.rstrip().rpartition(" ")
+            if not stack:
+                continue
+            c = int(count)
+            total += c
+            frames = stack.split(";")
+            own[frames[-1]] += c
+            for f in set(frames):
+                incl[f] += c
     print(f"{total} samples\n-- self")
     for f, c in own.most_common(n):
         print(f"{100 * c / total:5.1f}% {f[:140]}")

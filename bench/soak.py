@@ -64,7 +64,7 @@ import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -103,12 +103,15 @@ KINDS: tuple[tuple[str, float, str], ...] = (
 )
 EXPECT = {k: e for k, _, e in KINDS}
 
-_WORDS = ("the of and to in is for on that with as by at from this be are was it an or "
-          "model token cache prefix prompt answer server request stream batch block gpu "
-          "kernel router gateway envoy latency memory queue decode prefill layer weight "
-          "vector matrix tensor shard replica region cluster node pod rack zone alpha beta "
-          "gamma delta epsilon lambda sigma omega north south east west river mountain "
-          "forest ocean desert island valley city harbor bridge tower castle garden").split()
+_WORDS = ["the", "of", "and", "to", "in", "is", "for", "on", "that", "with", "as", "by",
+          "at", "from", "this", "be", "are", "was", "it", "an", "or", "model", "token",
+          "cache", "prefix", "prompt", "answer", "server", "request", "stream", "batch",
+          "block", "gpu", "kernel", "router", "gateway", "envoy", "latency", "memory",
+          "queue", "decode", "prefill", "layer", "weight", "vector", "matrix", "tensor",
+          "shard", "replica", "region", "cluster", "node", "pod", "rack", "zone", "alpha",
+          "beta", "gamma", "delta", "epsilon", "lambda", "sigma", "omega", "north", "south",
+          "east", "west", "river", "mountain", "forest", "ocean", "desert", "island",
+          "valley", "city", "harbor", "bridge", "tower", "castle", "garden"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -218,8 +221,8 @@ class Traffic:
             return "POST", comp, orjson.dumps({"model": MODEL, "prompt": rng.choice(
                 [{"a": 1}, 3.5, [{"x": 1}], True])})
         if kind == "bad-not-utf8":
-            return "POST", chat, b'{"model": "sim-model", "messages": [{"role": "user", ' \
-                b'"content": "\xff\xfe\xfa"}]}'
+            return "POST", chat, (b'{"model": "sim-model", "messages": [{"role": "user", '
+                                  b'"content": "\xff\xfe\xfa"}]}')
         if kind == "bad-empty":
             return "POST", rng.choice([chat, comp]), b""
         raise ValueError(f"unknown kind {kind}")
@@ -302,8 +305,8 @@ async def one_request(session: aiohttp.ClientSession, base: str, traffic: Traffi
             else:
                 payload = await r.read()
             lat = time.monotonic() - t0
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-        name = "timeout" if isinstance(e, asyncio.TimeoutError) else "connection error"
+    except (TimeoutError, aiohttp.ClientError) as e:
+        name = "timeout" if isinstance(e, TimeoutError) else "connection error"
         stats.record(kind, name, name, None, None, f"{type(e).__name__}: {e}")
         return
     label = str(st)
@@ -416,7 +419,7 @@ async def epp_metrics(session: aiohttp.ClientSession, port: int) -> dict[str, An
         async with session.get(f"http://127.0.0.1:{port}/metrics",
                                timeout=aiohttp.ClientTimeout(total=10)) as r:
             text = await r.text()
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+    except (TimeoutError, aiohttp.ClientError) as e:
         return {INDEX: None, RUNNING: None, "extproc_streams": {},
                 "metrics_error": type(e).__name__}
     return metric_sums(text, (INDEX, RUNNING))
@@ -547,8 +550,8 @@ def snapshot_diff(snaps: Path, pid: int, before: str, after: str, top: int = 25)
     a, b = a.filter_traces(ignore), b.filter_traces(ignore)
     total_a = sum(s.size for s in a.statistics("filename"))
     total_b = sum(s.size for s in b.statistics("filename"))
-    lines = [f"traced Python heap: {total_a / 2**20:.1f} MiB ({before}) -> "
-             f"{total_b / 2**20:.1f} MiB ({after}), {((total_b - total_a) / 2**20):+.2f} MiB"]
+    lines = [(f"traced Python heap: {total_a / 2**20:.1f} MiB ({before}) -> "
+              f"{total_b / 2**20:.1f} MiB ({after}), {((total_b - total_a) / 2**20):+.2f} MiB")]
     for st in b.compare_to(a, "traceback")[:top]:
         if st.size_diff <= 0:
             continue
@@ -808,7 +811,7 @@ async def main_async(args: argparse.Namespace) -> int:
         print("\n".join(heap.get("end_vs_base", [heap.get("error", "")])[:40]))
     doc = {
         "benchmark": "soak",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "argv": sys.argv[1:],
         "config": {k: v for k, v in vars(args).items()},
         "source": source_info(),
@@ -835,11 +838,11 @@ def source_info() -> dict[str, Any]:
     info: dict[str, Any] = {"epp_root": str(root)}
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
-                              text=True, timeout=10)
+                              text=True, timeout=10, check=False)
         if head.returncode == 0:
             info["git_head"] = head.stdout.strip()
             st = subprocess.run(["git", "-C", str(root), "status", "--porcelain"],
-                                capture_output=True, text=True, timeout=10)
+                                capture_output=True, text=True, timeout=10, check=False)
             info["git_changed"] = st.stdout.splitlines()
     except (OSError, subprocess.SubprocessError):
         pass

@@ -7,9 +7,13 @@ import asyncio
 import logging
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from epp import __version__
 from epp.errors import ConfigError
+
+if TYPE_CHECKING:
+    from epp.server.options import ServeOptions
 
 log = logging.getLogger("epp")
 
@@ -21,7 +25,7 @@ def _setup_logging(level: str, fmt: str = "text") -> None:
 
 
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from epp.server.app import DEFAULT_MAX_BODY
+    from epp.server.options import DEFAULT_MAX_BODY
 
     p = sub.add_parser("serve", help="run the endpoint picker (ext_proc gRPC server)",
                        description="Run the endpoint picker: an Envoy ext_proc gRPC server that "
@@ -145,7 +149,7 @@ def _add_kubernetes_flags(p: argparse.ArgumentParser) -> None:
 
 def _duration(value: str) -> float:
     """argparse type: a Go-style duration ('50ms', '2s') or a number of seconds."""
-    from epp.config.params import parse_duration
+    from epp.framework.params import parse_duration
 
     try:
         text: object = float(value)
@@ -287,99 +291,70 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _serve(args: argparse.Namespace) -> int:
+def serve_options(args: argparse.Namespace) -> ServeOptions:
+    """``epp serve``'s parsed flags as grouped options (checked when the server starts:
+    epp.server.options.validate)."""
     from epp.datalayer.engines import MappingOverrides
     from epp.datalayer.scraper import ScrapeOptions
-    from epp.server.app import ServeOptions, StartupError, serve_forever
+    from epp.server import options as so
+
+    return so.ServeOptions(
+        listen=so.ListenOptions(
+            grpc_port=args.grpc_port, grpc_health_port=args.grpc_health_port,
+            metrics_port=args.metrics_port, bind_address=args.bind_address,
+            grpc_bind_address=args.grpc_bind_address,
+            grpc_health_bind_address=args.grpc_health_bind_address,
+            metrics_bind_address=args.metrics_bind_address),
+        config=so.ConfigOptions(file=args.config_file, text=args.config_text),
+        static=so.StaticSourceOptions(endpoints=args.endpoints,
+                                      endpoints_file=args.endpoints_file),
+        kubernetes=so.KubernetesSourceOptions(
+            pool_name=args.pool_name, pool_namespace=args.pool_namespace,
+            pool_group=args.pool_group, endpoint_selector=args.endpoint_selector,
+            endpoint_target_ports=args.endpoint_target_ports, kubeconfig=args.kubeconfig,
+            watch_nodes=args.watch_nodes),
+        tls=so.TlsOptions(secure_serving=args.secure_serving, cert_path=args.cert_path),
+        ha=so.HaOptions(enable_leader_election=args.ha_enable_leader_election,
+                        lease_duration_s=args.ha_lease_duration,
+                        renew_deadline_s=args.ha_renew_deadline,
+                        retry_period_s=args.ha_retry_period),
+        scraping=so.ScrapingOptions(
+            enabled=args.scrape_metrics,
+            scrape=ScrapeOptions(
+                interval_s=args.refresh_metrics_interval,
+                timeout_s=args.metrics_scrape_timeout,
+                staleness_threshold_s=args.metrics_staleness_threshold,
+                scheme=args.model_server_metrics_scheme,
+                path=args.model_server_metrics_path,
+                port=args.model_server_metrics_port or None,
+                insecure_skip_verify=args.model_server_metrics_https_insecure_skip_verify,
+                max_concurrency=args.metrics_scrape_concurrency,
+                max_body_bytes=args.model_server_metrics_max_bytes,
+                max_loop_lag_s=args.metrics_max_loop_lag or None,
+            ),
+            metric_overrides=MappingOverrides(
+                total_queued_requests=args.total_queued_requests_metric,
+                total_running_requests=args.total_running_requests_metric,
+                kv_cache_usage_percentage=args.kv_cache_usage_percentage_metric,
+                lora_info=args.lora_info_metric,
+                cache_info=args.cache_info_metric,
+            )),
+        observability=so.ObservabilityOptions(
+            enable_explain_header=args.enable_explain_header,
+            explain_history=args.explain_history, metrics_auth=args.metrics_endpoint_auth,
+            tracing=args.tracing, log_level=args.log_level),
+        limits=so.RequestLimits(max_request_body_bytes=args.max_request_body_bytes,
+                                max_request_headers=args.max_request_headers),
+        workers=so.WorkerOptions(count=args.workers),
+        drain=so.DrainOptions(timeout_s=args.drain_timeout, quiet_s=args.drain_quiet_period),
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from epp.server.app import StartupError, serve_forever
 
     _setup_logging(args.log_level, args.log_format)
-    token = None
-    auth = args.metrics_endpoint_auth
-    if auth is not None and auth.strip().lower() in ("false", "0", "no", "f"):
-        auth = None  # GIE's boolean form, turned off
-    elif auth is not None and auth.strip().lower() in ("true", "1", "yes", "t"):
-        print("epp: error: --metrics-endpoint-auth takes a file holding the bearer token "
-              "(GIE's Kubernetes TokenReview auth is not implemented)", file=sys.stderr)
-        return 1
-    args.metrics_endpoint_auth = auth
-    if args.metrics_endpoint_auth is not None:
-        try:
-            with open(args.metrics_endpoint_auth, encoding="utf-8") as f:
-                token = f.read().strip()
-        except OSError as e:
-            print(f"epp: error: --metrics-endpoint-auth: cannot read {args.metrics_endpoint_auth}:"
-                  f" {e.strerror or e}", file=sys.stderr)
-            return 1
-        if not token:
-            print(f"epp: error: --metrics-endpoint-auth: {args.metrics_endpoint_auth} is empty",
-                  file=sys.stderr)
-            return 1
-    if args.workers < 0:
-        print("epp: error: --workers must be >= 0", file=sys.stderr)
-        return 1
-    if args.workers == 0:
-        import os
-
-        args.workers = os.cpu_count() or 1
-    if args.explain_history < 0:
-        print("epp: error: --explain-history must be >= 0", file=sys.stderr)
-        return 1
-    if args.max_request_headers < 0:
-        print("epp: error: --max-request-headers must be >= 0", file=sys.stderr)
-        return 1
-    if args.drain_quiet_period is None:
-        args.drain_quiet_period = args.drain_timeout
-    for flag, value in (("--drain-timeout", args.drain_timeout),
-                        ("--drain-quiet-period", args.drain_quiet_period)):
-        if value < 0:
-            print(f"epp: error: {flag} must be >= 0", file=sys.stderr)
-            return 1
-    opts = ServeOptions(
-        grpc_port=args.grpc_port, grpc_health_port=args.grpc_health_port,
-        metrics_port=args.metrics_port, bind_address=args.bind_address,
-        grpc_bind_address=args.grpc_bind_address,
-        grpc_health_bind_address=args.grpc_health_bind_address,
-        metrics_bind_address=args.metrics_bind_address,
-        drain_timeout_s=args.drain_timeout, drain_quiet_s=args.drain_quiet_period,
-        config_file=args.config_file, config_text=args.config_text,
-        endpoints=args.endpoints, endpoints_file=args.endpoints_file,
-        max_request_body_bytes=args.max_request_body_bytes,
-        max_request_headers=args.max_request_headers,
-        pool_name=args.pool_name, pool_namespace=args.pool_namespace,
-        pool_group=args.pool_group, endpoint_selector=args.endpoint_selector,
-        endpoint_target_ports=args.endpoint_target_ports, kubeconfig=args.kubeconfig,
-        watch_nodes=args.watch_nodes, secure_serving=args.secure_serving,
-        cert_path=args.cert_path,
-        ha_enable_leader_election=args.ha_enable_leader_election,
-        ha_lease_duration_s=args.ha_lease_duration, ha_renew_deadline_s=args.ha_renew_deadline,
-        ha_retry_period_s=args.ha_retry_period,
-        scrape_metrics=args.scrape_metrics,
-        scrape=ScrapeOptions(
-            interval_s=args.refresh_metrics_interval,
-            timeout_s=args.metrics_scrape_timeout,
-            staleness_threshold_s=args.metrics_staleness_threshold,
-            scheme=args.model_server_metrics_scheme,
-            path=args.model_server_metrics_path,
-            port=args.model_server_metrics_port or None,
-            insecure_skip_verify=args.model_server_metrics_https_insecure_skip_verify,
-            max_concurrency=args.metrics_scrape_concurrency,
-            max_body_bytes=args.model_server_metrics_max_bytes,
-            max_loop_lag_s=args.metrics_max_loop_lag or None,
-        ),
-        metric_overrides=MappingOverrides(
-            total_queued_requests=args.total_queued_requests_metric,
-            total_running_requests=args.total_running_requests_metric,
-            kv_cache_usage_percentage=args.kv_cache_usage_percentage_metric,
-            lora_info=args.lora_info_metric,
-            cache_info=args.cache_info_metric,
-        ),
-        enable_explain_header=args.enable_explain_header,
-        explain_history=args.explain_history,
-        metrics_auth_token=token,
-        tracing=args.tracing,
-        workers=args.workers,
-        log_level=args.log_level,
-    )
+    opts = serve_options(args)
 
     async def main() -> None:
         from epp.server.drain import install_shutdown_signals

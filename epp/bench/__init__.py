@@ -1,1 +1,18 @@
-"""Workloads and load runners shared by `epp demo` and the benchmarks."""
+"""``epp bench``: routing quality, side by side (docs/benchmarks.md, "Routing quality").
+
+Modules, bottom up; each imports only modules above it in this list:
+
+- :mod:`epp.bench.traces` — the open-loop traces (shared prefix, multi-turn, hot spot)
+  and the pods' capacity for them.
+- :mod:`epp.bench.ceiling` — the offline ceiling: a trace replayed against the
+  simulator's cache model (:mod:`epp.sim.kvcache`, :mod:`epp.sim.tokens`).
+- :mod:`epp.bench.quality` — the command: starts simulated pods and each router
+  (:mod:`epp.stack.procs`, :mod:`epp.stack.envoy`; the pods' costs from
+  :mod:`epp.sim.options`), plays the trace (:func:`epp.stack.runner.stream_chat`),
+  reports against the ceiling.
+
+How the tools layer: :mod:`epp.stack` (processes, Envoy, the load runner, ``epp demo``)
+at the bottom and :mod:`epp.sim` beside it; this package uses both through public names
+only; the scripts in ``bench/`` sit on top. Nothing in ``epp/`` imports this package
+except ``epp.cli``.
+"""

@@ -24,8 +24,9 @@ placement than both).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Final, Iterable, Sequence
+from typing import Final
 
 from epp.bench.traces import TraceRequest
 from epp.sim.kvcache import BlockPool, block_hashes

@@ -30,17 +30,19 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Final, Sequence
+from typing import Any, Final, Self
 
 import aiohttp
 import yaml
 
 from epp.bench.ceiling import Replay, ceiling
-from epp.bench.runner import Result, stream_chat
 from epp.bench.traces import WORKLOADS, SimCosts, TraceRequest, capacity, default_shape, make_trace
+from epp.sim.config import SimConfig
+from epp.sim.options import build_parser, config_from_args
 from epp.stack.envoy import (
     DEFAULT_RESPONSE_PATH,
     RESPONSE_PATH_INLINE,
@@ -51,6 +53,7 @@ from epp.stack.envoy import (
     without_ext_proc,
 )
 from epp.stack.procs import ManagedProcess, free_port, wait_port
+from epp.stack.runner import Result, stream_chat
 
 MODEL: Final = "sim-model"
 ROUTERS: Final = ("epp", "round-robin", "random", "sglang")
@@ -178,7 +181,7 @@ class Stack:
         self._stack.push_async_callback(proc.stop)
         return proc
 
-    async def __aenter__(self) -> Stack:
+    async def __aenter__(self) -> Self:
         try:
             await self._start()
         except BaseException:
@@ -262,7 +265,7 @@ class Stack:
                         if r.status == 200:
                             return
                         last = f"HTTP {r.status}"
-                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                except (TimeoutError, aiohttp.ClientError) as e:
                     last = type(e).__name__
                 await asyncio.sleep(0.25)
         raise TimeoutError(f"{self.spec.label}: no successful request within {timeout:g}s "
@@ -279,7 +282,7 @@ async def pod_ttft(ports: Sequence[int]) -> tuple[float, int]:
             try:
                 async with s.get(f"http://127.0.0.1:{p}/metrics") as r:
                     text = await r.text()
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 continue
             for line in text.splitlines():
                 if line.startswith("vllm:time_to_first_token_seconds_sum"):
@@ -493,7 +496,7 @@ def verdicts(workload: str, results: dict[str, dict[str, Any]], bound: float
 
 
 def _ms(x: float) -> str:
-    return "-" if x != x else f"{x:.0f}"
+    return "-" if math.isnan(x) else f"{x:.0f}"
 
 
 def table(report: dict[str, Any]) -> str:
@@ -522,10 +525,10 @@ def table(report: dict[str, Any]) -> str:
     ]
     c = report["ceiling"]
     w = max(w, 14)
-    lines = [f"workload {report['workload']}: {report['offered_rps']:.2f} req/s offered "
-             f"({report['load_vs_capacity']:.0%} of the {report['capacity_rps']:.1f} req/s "
-             f"cold-cache capacity), {report['duration_s']:g}s, {report['servers']} pods, "
-             f"{report['rounds']} round(s)",
+    lines = [(f"workload {report['workload']}: {report['offered_rps']:.2f} req/s offered "
+              f"({report['load_vs_capacity']:.0%} of the {report['capacity_rps']:.1f} req/s "
+              f"cold-cache capacity), {report['duration_s']:g}s, {report['servers']} pods, "
+              f"{report['rounds']} round(s)"),
              "ceiling (offline replay, hit rate): " + ", ".join(
                  f"{k} {100 * v['hit_rate']:.1f}%" for k, v in c.items() if k != "bound")
              + f"; bound {100 * bound:.1f}%",
@@ -621,7 +624,7 @@ def text_chart(report: dict[str, Any]) -> str:
     lines = ["TTFT p90"]
     for lbl, m in results.items():
         v = m["ttft_p90_ms"]
-        lines.append(f"  {lbl:14} {'#' * (round(40 * v / top) if v == v else 0)} {_ms(v)} ms")
+        lines.append(f"  {lbl:14} {'#' * (0 if math.isnan(v) else round(40 * v / top))} {_ms(v)} ms")
     lines.append("hit rate (| = ceiling)")
     bound = report["ceiling"]["bound"]["hit_rate"]
     for lbl, m in results.items():
@@ -634,15 +637,23 @@ def text_chart(report: dict[str, Any]) -> str:
 # ----------------------------------------------------------------- the command
 
 
-def sim_config(sim_args: list[str]) -> Any:
-    from epp.sim.server import build_parser, config_from_args
-
+def sim_config(sim_args: list[str]) -> SimConfig:
+    """The configuration ``epp sim`` runs the pods with for these options."""
     return config_from_args(build_parser().parse_args(["--port", "1", *sim_args]))
 
 
 def effective_sim_args(workload: str, extra: str, smoke: bool) -> list[str]:
     blocks = SMOKE_NUM_GPU_BLOCKS if smoke else NUM_GPU_BLOCKS[workload]
     return [*shlex.split(BASE_SIM_ARGS), "--num-gpu-blocks", str(blocks), *shlex.split(extra)]
+
+
+def _append_samples(path: Path, router: str, round_: int, samples: Sequence[Sample]) -> None:
+    """Append one round's samples to ``samples.jsonl`` (a local file: fast enough to write
+    on the loop between rounds)."""
+    with open(path, "a") as f:
+        f.writelines(json.dumps({"router": router, "round": round_, "index": smp.index,
+                                 "kind": smp.kind, "sent_at": round(smp.sent_at, 4),
+                                 **asdict(smp.result)}) + "\n" for smp in samples)
 
 
 def _ceiling_json(c: dict[str, Replay]) -> dict[str, Any]:
@@ -720,11 +731,7 @@ async def run_bench(args: argparse.Namespace, log: Callable[[str], None] = print
                 routers = [r for r in routers if r.kind != "sglang"]
                 continue
             rounds[spec.label].append(m)
-            with open(out_dir / "samples.jsonl", "a") as f:
-                for smp in samples:
-                    f.write(json.dumps({"router": spec.label, "round": k, "index": smp.index,
-                                        "kind": smp.kind, "sent_at": round(smp.sent_at, 4),
-                                        **asdict(smp.result)}) + "\n")
+            _append_samples(out_dir / "samples.jsonl", spec.label, k, samples)
             log(f"  [{spec.label}] {m['ok']} ok, {m['errors']} errors, TTFT p90 "
                 f"{_ms(m['ttft_p90_ms'])} ms, hit rate {100 * m['hit_rate']:.1f}%")
     results = {lbl: median_of(rs) for lbl, rs in rounds.items() if rs}

@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Final
+from typing import Any, Final
 
 WORKLOADS: Final = ("shared-prefix", "multi-turn", "hot-spot", "mix")
 

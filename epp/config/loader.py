@@ -8,17 +8,18 @@ any problem raises :class:`ConfigError` naming the file, the path in it and the 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
 from epp import keys
-from epp.config.params import Params
-from epp.config.registry import PluginHandle, Registry, default_registry
 from epp.errors import ConfigError
-from epp.scheduling.interfaces import (
+from epp.framework.handle import BindsPlugins, PluginHandle
+from epp.framework.interfaces import (
+    ChecksProfiles,
     EndpointRemoved,
     Filter,
     Picker,
@@ -31,8 +32,11 @@ from epp.scheduling.interfaces import (
     ResponseHeaders,
     SaturationDetector,
     Scorer,
+    no_timer,
 )
-from epp.scheduling.scheduler import Scheduler, SchedulerProfile, _no_timer
+from epp.framework.registry import Registry
+from epp.scheduling.plugins.catalog import default_registry
+from epp.scheduling.scheduler import Scheduler, SchedulerProfile
 
 DEFAULT_CONFIG_TEXT = """\
 apiVersion: inference.networking.x-k8s.io/v1alpha1
@@ -112,6 +116,11 @@ class BuiltConfig:
     response_headers: list[ResponseHeaders] = field(default_factory=list)
     # The plugin named by ``saturationDetector: {pluginRef: …}``, if any.
     saturation_detector: SaturationDetector | None = None
+
+
+# The built-in catalog: plugins a config gets without declaring them (the single-profile
+# handler, the max-score picker) come from it whatever registry builds the declared ones.
+_BUILTINS = default_registry()
 
 
 def _err(source: str, path: str, msg: str) -> ConfigError:
@@ -244,7 +253,7 @@ def load_config_file(path: str | Path) -> EndpointPickerConfig:
 def build(
     config: EndpointPickerConfig,
     registry: Registry | None = None,
-    timer: PluginTimer = _no_timer,
+    timer: PluginTimer = no_timer,
 ) -> BuiltConfig:
     """Phase 2: create the plugins, inject defaults, assemble the scheduler."""
     registry = registry or default_registry()
@@ -256,10 +265,9 @@ def build(
                                       config.feature_gates, config.saturation_detector)
     handle = PluginHandle()
     for spec in config.plugins:
-        factory = registry.factory(spec.type, f"{src}: {spec.path}.type")
-        params = Params(spec.parameters, f"{spec.path}.parameters")
+        builder = registry.builder(spec.type, f"{src}: {spec.path}.type")
         try:
-            plugin = factory(spec.name, params, handle)
+            plugin = builder(spec.name, spec.parameters, f"{spec.path}.parameters", handle)
         except ConfigError as e:
             raise ConfigError(f"{src}: {e}") from e
         except Exception as e:  # a user plugin's own bug: still name file and path
@@ -274,44 +282,44 @@ def build(
     # now that all are built; a bind may add the helper plugin it needs.
     for spec in config.plugins:
         plugin = handle.plugins[spec.name]
-        bind = getattr(plugin, "bind", None)
-        if bind is not None:
+        if isinstance(plugin, BindsPlugins):
             try:
-                bind(handle)
+                plugin.bind(handle)
             except ConfigError as e:
                 raise _err(src, spec.path, str(e)) from e
 
-    handlers = [p for p in handle.plugins.values() if isinstance(p, ProfileHandler)]
+    handlers = handle.of_type(ProfileHandler)
     if len(handlers) > 1:
         raise _err(src, "plugins", "more than one profile handler declared: "
                    f"{', '.join(h.name for h in handlers)}; keep one")
 
-    specs = list(config.profiles)
-    if not specs:
+    profile_specs = list(config.profiles)
+    if not profile_specs:
         # No profiles: one 'default' profile with every filter, scorer and picker declared.
-        refs = tuple(PluginRef(p.name, None, "plugins")
-                     for p in handle.plugins.values()
-                     if isinstance(p, (Filter, Scorer, Picker)) and not isinstance(p, ProfileHandler))
-        specs = [ProfileSpec("default", refs, "schedulingProfiles")]
+        refs = tuple(PluginRef(p.name, None, "plugins") for p in handle
+                     if isinstance(p, (Filter, Scorer, Picker))
+                     and not isinstance(p, ProfileHandler))
+        profile_specs = [ProfileSpec("default", refs, "schedulingProfiles")]
 
     if handlers:
         handler = handlers[0]
     else:
-        if len(specs) > 1:
-            raise _err(src, "plugins", f"{len(specs)} scheduling profiles need a profile handler "
+        if len(profile_specs) > 1:
+            raise _err(src, "plugins", f"{len(profile_specs)} scheduling profiles need a profile handler "
                        "plugin (e.g. disagg-profile-handler); single-profile-handler runs one")
-        from epp.scheduling.plugins.handlers import SingleProfileHandler
-
-        handler = SingleProfileHandler("single-profile-handler")
+        default_handler = _BUILTINS.create("single-profile-handler", "single-profile-handler",
+                                          handle)
+        assert isinstance(default_handler, ProfileHandler)
+        handler = default_handler
         handle.plugins.setdefault(handler.name, handler)
 
     default_picker: Picker | None = None
     profiles: dict[str, SchedulerProfile] = {}
-    for spec in specs:
+    for pspec in profile_specs:
         filters: list[Filter] = []
         scorers: list[tuple[Scorer, float]] = []
         picker: Picker | None = None
-        for ref in spec.plugins:
+        for ref in pspec.plugins:
             plugin = handle.plugins[ref.plugin_ref]
             if isinstance(plugin, ProfileHandler):
                 raise _err(src, ref.path, f"{ref.plugin_ref!r} is a profile handler; it runs "
@@ -328,7 +336,7 @@ def build(
                            "scorers take a weight")
             if isinstance(plugin, Picker):
                 if picker is not None:
-                    raise _err(src, ref.path, f"profile {spec.name!r} has two pickers "
+                    raise _err(src, ref.path, f"profile {pspec.name!r} has two pickers "
                                f"({picker.name!r}, {plugin.name!r}); keep one")
                 picker = plugin
                 role_found = True
@@ -337,27 +345,26 @@ def build(
                            "filter, scorer or picker and cannot be used in a profile")
         if picker is None:
             if default_picker is None:
-                from epp.scheduling.plugins.pickers import MaxScorePicker
-
-                default_picker = MaxScorePicker("max-score-picker")
+                built_picker = _BUILTINS.create("max-score-picker", "max-score-picker", handle)
+                assert isinstance(built_picker, Picker)
+                default_picker = built_picker
             picker = default_picker
-        profiles[spec.name] = SchedulerProfile(spec.name, filters, scorers, picker, timer)
+        profiles[pspec.name] = SchedulerProfile(pspec.name, filters, scorers, picker, timer)
 
-    check = getattr(handler, "check_profiles", None)
-    if check is not None:
+    if isinstance(handler, ChecksProfiles):
         try:
-            check(set(profiles))
+            handler.check_profiles(set(profiles))
         except ConfigError as e:
             raise _err(src, "schedulingProfiles", str(e)) from e
     built = BuiltConfig(
         config=config,
         plugins=handle.plugins,
         scheduler=Scheduler(handler, profiles, timer),
-        pre_request=[p for p in handle.plugins.values() if isinstance(p, PreRequest)],
-        response_complete=[p for p in handle.plugins.values() if isinstance(p, ResponseComplete)],
-        endpoint_removed=[p for p in handle.plugins.values() if isinstance(p, EndpointRemoved)],
-        request_headers=[p for p in handle.plugins.values() if isinstance(p, RequestHeaders)],
-        response_headers=[p for p in handle.plugins.values() if isinstance(p, ResponseHeaders)],
+        pre_request=handle.of_type(PreRequest),
+        response_complete=handle.of_type(ResponseComplete),
+        endpoint_removed=handle.of_type(EndpointRemoved),
+        request_headers=handle.of_type(RequestHeaders),
+        response_headers=handle.of_type(ResponseHeaders),
     )
     if config.saturation_detector is not None:
         detector = handle.plugins[config.saturation_detector]
@@ -370,7 +377,7 @@ def build(
 
 def load_and_build(path: str | None = None, text: str | None = None,
                    registry: Registry | None = None,
-                   timer: PluginTimer = _no_timer) -> BuiltConfig:
+                   timer: PluginTimer = no_timer) -> BuiltConfig:
     """Load from a file, from inline text, or the built-in default; then build."""
     if path is not None and text is not None:
         raise ConfigError("give --config-file or --config-text, not both")

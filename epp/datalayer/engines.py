@@ -24,9 +24,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping, Sequence
 
 from epp import keys
 from epp.datalayer.promparse import Sample

@@ -20,7 +20,8 @@ Measured against ``prometheus_client.parser`` in docs/benchmarks.md (bench/promp
 
 from __future__ import annotations
 
-from typing import Collection, Iterator, Mapping, NamedTuple, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from typing import NamedTuple
 
 __all__ = ["ParseError", "Sample", "SampleIndex", "parse"]
 

@@ -87,8 +87,9 @@ import logging
 import random
 import ssl
 import time
+from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any, Coroutine, Iterable
+from typing import Any
 
 import aiohttp
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily

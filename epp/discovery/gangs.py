@@ -116,11 +116,11 @@ class GangTracker:
     """
 
     def __init__(self, api: KubeApi, namespace: str, on_change: Callable[[], None],
-                 options: ReflectorOptions = ReflectorOptions()) -> None:
+                 options: ReflectorOptions | None = None) -> None:
         self.api = api
         self.namespace = namespace
         self._on_change = on_change
-        self._options = options
+        self._options = options or ReflectorOptions()
         self._lws: Reflector | None = None
         self._grove_pods: Reflector | None = None
         self._podgangs: Reflector | None = None

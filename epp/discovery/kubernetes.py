@@ -142,24 +142,28 @@ def pool_api_path(group: str, namespace: str) -> str:
     return f"/apis/{group}/{version}/namespaces/{namespace}/{keys.K8S_POOL_PLURAL}"
 
 
+class InvalidPool(ValueError):
+    """An InferencePool object this EPP cannot use (the message says why)."""
+
+
 def parse_pool(obj: Mapping[str, Any]) -> PoolSpec:
-    """An InferencePool object → :class:`PoolSpec`. Raises ValueError when malformed.
+    """An InferencePool object → :class:`PoolSpec`; :class:`InvalidPool` when malformed.
 
     v1: ``spec.selector.matchLabels`` and ``spec.targetPorts: [{number}]``;
     v1alpha2: ``spec.selector`` (a map) and ``spec.targetPortNumber``.
     """
     spec = obj.get("spec")
     if not isinstance(spec, Mapping):
-        raise ValueError("spec missing")
+        raise InvalidPool("spec missing")
     sel = spec.get("selector") or {}
     if not isinstance(sel, Mapping):
-        raise ValueError("spec.selector is not a mapping")
+        raise InvalidPool("spec.selector is not a mapping")
     if "matchLabels" in sel or "matchExpressions" in sel:
         if sel.get("matchExpressions"):
-            raise ValueError("spec.selector.matchExpressions is not supported")
+            raise InvalidPool("spec.selector.matchExpressions is not supported")
         sel = sel.get("matchLabels") or {}
         if not isinstance(sel, Mapping):
-            raise ValueError("spec.selector.matchLabels is not a mapping")
+            raise InvalidPool("spec.selector.matchLabels is not a mapping")
     selector = {str(k): str(v) for k, v in sel.items()}
     ports: list[int] = []
     raw_ports = spec.get("targetPorts")
@@ -167,13 +171,13 @@ def parse_pool(obj: Mapping[str, Any]) -> PoolSpec:
         for p in raw_ports:
             num = p.get("number") if isinstance(p, Mapping) else p
             if isinstance(num, bool) or not isinstance(num, int) or not 0 < num < 65536:
-                raise ValueError(f"spec.targetPorts: bad port {p!r}")
+                raise InvalidPool(f"spec.targetPorts: bad port {p!r}")
             if num not in ports:
                 ports.append(num)
     elif isinstance(spec.get("targetPortNumber"), int):
         ports.append(int(spec["targetPortNumber"]))
     if not ports:
-        raise ValueError("no target ports (spec.targetPorts)")
+        raise InvalidPool("no target ports (spec.targetPorts)")
     return PoolSpec(MappingProxyType(selector), tuple(ports))
 
 

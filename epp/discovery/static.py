@@ -22,8 +22,9 @@ import asyncio
 import ipaddress
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
@@ -112,27 +113,27 @@ def parse_endpoints_file(text: str, source: str) -> list[Endpoint]:
         raise ConfigError(f"{source}: endpoints: expected a list of {{address, port, …}}")
     out: list[Endpoint] = []
     seen: set[str] = set()
-    for i, e in enumerate(raw):
+    for i, item in enumerate(raw):
         where = f"{source}: endpoints[{i}]"
-        if not isinstance(e, Mapping):
+        if not isinstance(item, Mapping):
             raise ConfigError(f"{where}: expected a mapping with address and port")
-        extra = set(e) - {"address", "port", "name", "labels", "nodeName", "namespace"}
+        extra = set(item) - {"address", "port", "name", "labels", "nodeName", "namespace"}
         if extra:
             raise ConfigError(f"{where}: unknown key(s) {sorted(extra)}; allowed: address, "
                               "port, name, namespace, labels, nodeName")
-        if "address" not in e or "port" not in e:
+        if "address" not in item or "port" not in item:
             raise ConfigError(f"{where}: 'address' and 'port' are required")
-        addr = _check_address(str(e["address"]), f"{where}.address")
-        port = _check_port(e["port"], f"{where}.port")
-        node = e.get("nodeName")
+        addr = _check_address(str(item["address"]), f"{where}.address")
+        port = _check_port(item["port"], f"{where}.port")
+        node = item.get("nodeName")
         if node is not None and not isinstance(node, str):
             raise ConfigError(f"{where}.nodeName: expected a string")
         ep = Endpoint(
-            name=str(e.get("name") or ""),
-            namespace=str(e.get("namespace") or ""),
+            name=str(item.get("name") or ""),
+            namespace=str(item.get("namespace") or ""),
             address=addr,
             port=port,
-            labels=_str_map(e.get("labels"), f"{where}.labels"),
+            labels=_str_map(item.get("labels"), f"{where}.labels"),
             node_name=node,
             node_labels=nodes.get(node, {}) if node else {},
         )

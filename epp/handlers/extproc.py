@@ -23,7 +23,8 @@ import asyncio
 import logging
 import os
 from collections import deque
-from typing import Any, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 import grpc
 import orjson
@@ -103,7 +104,7 @@ def routing_metadata(destination: str) -> Struct:
 def immediate_response(status: int, message: str, error_type: str) -> pb.ProcessingResponse:
     body = orjson.dumps({"error": {"message": message, "type": error_type, "code": status}})
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
-        status=HttpStatus(code=status),  # type: ignore[arg-type]
+        status=HttpStatus(code=status),
         headers=pb.HeaderMutation(set_headers=[
             _set_header(keys.HEADER_CONTENT_TYPE, keys.CONTENT_TYPE_JSON)]),
         body=body,
@@ -144,11 +145,30 @@ _CONTINUE_RESP_BODY = pb.ProcessingResponse(response_body=pb.BodyResponse())
 class ExtProcStream:
     """State of one ext_proc stream (one HTTP request). Not thread-safe; one task drives it."""
 
-    __slots__ = ("_director", "_max_body", "_duplex", "_resp_duplex", "_headers", "_subset",
-                 "_chunks", "_size", "_routed", "_routing", "closed", "_done_reported",
-                 "_trailers_pending", "_resp_len", "_resp_seen", "_aborted", "token",
-                 "_headers_seen", "_header_count", "_max_headers", "_lean",
-                 "_resp_started")
+    __slots__ = (
+        "_aborted",
+        "_chunks",
+        "_director",
+        "_done_reported",
+        "_duplex",
+        "_header_count",
+        "_headers",
+        "_headers_seen",
+        "_lean",
+        "_max_body",
+        "_max_headers",
+        "_resp_duplex",
+        "_resp_len",
+        "_resp_seen",
+        "_resp_started",
+        "_routed",
+        "_routing",
+        "_size",
+        "_subset",
+        "_trailers_pending",
+        "closed",
+        "token",
+    )
 
     def __init__(self, director: RequestDirector, max_body_bytes: int,
                  token: str | None = None, max_headers: int = DEFAULT_MAX_HEADERS) -> None:
@@ -536,7 +556,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self._warned_unsupported = False
         self._bad_messages = 0
 
-    async def Process(  # noqa: N802 (gRPC method name)
+    async def Process(
         self,
         request_iterator: AsyncIterator[pb.ProcessingRequest],
         context: grpc.aio.ServicerContext[pb.ProcessingRequest, pb.ProcessingResponse],
@@ -711,7 +731,7 @@ async def _echo(stream: ExtProcStream, read: Callable[[], Any],
                     return
         except asyncio.CancelledError:
             raise
-        except BaseException as e:  # handed to the writer, which raises it
+        except Exception as e:  # noqa: BLE001 -- handed to the writer, which raises it
             queue.append(e)
             wake()
 

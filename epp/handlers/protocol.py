@@ -6,8 +6,9 @@ implements :class:`RequestDirector` and returns :class:`Routing` values.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 
 @dataclass(slots=True)

@@ -1,1 +1,1 @@
-"""Exported metrics, logging."""
+"""Exported metrics, explained decisions, tracing, logging; the decision observers."""

@@ -2,12 +2,14 @@
 
 No module-level registry: each :class:`EppMetrics` owns a ``CollectorRegistry``, so tests
 and several servers in one process do not collide. Pool-level gauges are computed from the
-datastore when scraped, costing nothing per request.
+datastore when scraped, costing nothing per request. Request metrics are recorded by
+:class:`MetricsObserver`, the scheduling core's always-on decision observer.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import GaugeMetricFamily
@@ -15,9 +17,11 @@ from prometheus_client.registry import Collector
 
 from epp import __version__, keys
 from epp.datastore.store import Datastore
-from epp.scheduling.interfaces import Plugin
+from epp.framework.interfaces import Plugin
+from epp.observability.observer import Observer
+from epp.parsing.usage import Usage
 from epp.scheduling.plugins.roles import endpoint_role
-from epp.scheduling.types import Endpoint
+from epp.scheduling.types import Endpoint, LLMRequest, SchedulingResult
 
 _LATENCY_BUCKETS = (0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.25, 1.5, 2, 3, 4, 5,
                     6, 8, 10, 15, 20, 30, 45, 60, 120, 180, 240, 300, 360, 480, 600, 900,
@@ -176,7 +180,7 @@ class EppMetrics:
         r.register(self.gangs)
         self._plugin_children: dict[tuple[str, int], Histogram] = {}
 
-    def track_prefix_index_size(self, size: "Callable[[], float]") -> None:
+    def track_prefix_index_size(self, size: Callable[[], float]) -> None:
         """Report the prefix index size at scrape time (no per-request cost)."""
         self._prefix_size.set_function(size)
 
@@ -188,3 +192,55 @@ class EppMetrics:
             child = self.plugin_duration.labels(extension_point, plugin.type_name, plugin.name)
             self._plugin_children[key] = child
         child.observe(seconds)
+
+
+class MetricsObserver(Observer):
+    """The request metrics of every decision (a DecisionObserver shared by all requests):
+    requests, errors, running requests, scheduling latency, the prefix hit ratio, P/D
+    decisions (``classify``: the profile handler's ``decision``, when it has one) and, at
+    completion, latency and token counts of successful responses.
+
+    Plugin latencies are not taken from ``plugin_timed``: the server wires
+    :meth:`EppMetrics.observe_plugin` as the scheduler's PluginTimer when it builds the
+    configuration, so they are recorded for every scheduling run.
+    """
+
+    def __init__(self, metrics: EppMetrics,
+                 classify: Callable[[SchedulingResult], str] | None = None) -> None:
+        self.metrics = metrics
+        self._classify = classify
+
+    def scheduled(self, request: LLMRequest, result: SchedulingResult, seconds: float) -> None:
+        self.metrics.scheduler_e2e.observe(seconds)
+
+    def decided(self, request: LLMRequest, result: SchedulingResult,
+                set_headers: dict[str, str], response_headers: dict[str, str]) -> None:
+        m = self.metrics
+        hit = request.plugin_state.get(keys.PLUGIN_STATE_PREFIX_HIT_RATIO)
+        if hit is not None:
+            m.prefix_hit_ratio.observe(hit)
+        if self._classify is not None:
+            m.pd_decisions.labels(self._classify(result)).inc()
+        m.request_total.labels(request.incoming_model, request.target_model).inc()
+        m.running_requests.labels(request.incoming_model).inc()
+
+    def failed(self, request: LLMRequest, status: int, message: str | None) -> None:
+        self.metrics.request_error_total.labels(
+            request.incoming_model, request.target_model, str(status)).inc()
+
+    def completed(self, request: LLMRequest, status: int, aborted: bool,
+                  usage: Usage | None, seconds: float) -> None:
+        m = self.metrics
+        m.running_requests.labels(request.incoming_model).dec()
+        labels = (request.incoming_model, request.target_model)
+        if not aborted and 200 <= status < 300:
+            m.request_duration.labels(*labels).observe(seconds)
+            if usage is not None:
+                if usage.prompt_tokens is not None:
+                    m.input_tokens.labels(*labels).observe(usage.prompt_tokens)
+                if usage.completion_tokens is not None:
+                    m.output_tokens.labels(*labels).observe(usage.completion_tokens)
+                if usage.cached_tokens is not None:
+                    m.cached_tokens.labels(*labels).observe(usage.cached_tokens)
+        elif status >= 400:
+            m.request_error_total.labels(*labels, str(status)).inc()

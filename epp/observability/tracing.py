@@ -2,10 +2,11 @@
 
 One span per request (``epp.request``, from routing to the end of the response, a child of
 the client's ``traceparent`` when it sends one), with a ``epp.scheduling`` child and one
-child per plugin call (built after the fact from the plugin timer, so plugins stay plain
+child per plugin call (built after the fact from the plugin timings, so plugins stay plain
 functions). The request span's context is propagated to the model server in the
-``traceparent`` header. The exporter follows the standard OTEL_* environment:
-``OTEL_TRACES_EXPORTER`` (``otlp``, the default, or ``console``),
+``traceparent`` header. The scheduling core gives each request a :class:`TraceObserver`
+(a decision observer) that does all of this. The exporter follows the standard OTEL_*
+environment: ``OTEL_TRACES_EXPORTER`` (``otlp``, the default, or ``console``),
 ``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_SERVICE_NAME`` (default ``epp``). Needs the
 ``tracing`` extra: ``pip install 'epp[tracing]'``.
 """
@@ -14,11 +15,15 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from epp import keys
 from epp.errors import ConfigError
-from epp.scheduling.interfaces import Plugin
+from epp.framework.interfaces import Plugin
+from epp.observability.observer import Observer
+from epp.parsing.usage import Usage
+from epp.scheduling.types import Endpoint, LLMRequest, SchedulingResult
 
 
 class Tracing:
@@ -77,12 +82,54 @@ class Tracing:
             shutdown()
 
 
-class PluginSpans:
-    """Collects plugin timings of one scheduling run, then emits them as child spans."""
+class TraceObserver(Observer):
+    """The trace of one request (a DecisionObserver with ``timings``): the request span,
+    started at construction; at the end of scheduling its ``epp.scheduling`` child and one
+    child per plugin call; ``traceparent`` upstream once placed; ended with the status
+    when the request fails or completes."""
 
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, Plugin, int, int]] = []
+    timings = True
 
-    def record(self, extension_point: str, plugin: Plugin, seconds: float) -> None:
+    def __init__(self, tracing: Tracing, request: LLMRequest) -> None:
+        self.tracing = tracing
+        self.span = tracing.start_request(request.headers)
+        self._start_ns = 0
+        self._calls: list[tuple[str, Plugin, int, int]] = []
+
+    def started(self, request: LLMRequest, candidates: Sequence[Endpoint]) -> None:
+        self._start_ns = time.time_ns()
+
+    def plugin_timed(self, extension_point: str, plugin: Plugin, seconds: float) -> None:
         end = time.time_ns()
-        self.calls.append((extension_point, plugin, end - int(seconds * 1e9), end))
+        self._calls.append((extension_point, plugin, end - int(seconds * 1e9), end))
+
+    def scheduled(self, request: LLMRequest, result: SchedulingResult, seconds: float) -> None:
+        end = time.time_ns()
+        span, tracing = self.span, self.tracing
+        span.set_attribute("gen_ai.request.model", request.target_model)
+        span.set_attribute("epp.request_id", request.request_id)
+        tracing.child(span, "epp.scheduling", self._start_ns, end, {
+            "epp.primary_profile": result.primary_profile,
+            "epp.endpoints": ",".join(e.key for e in result.primary.endpoints)})
+        calls, self._calls = self._calls, []
+        for ep, plugin, start, stop in calls:
+            tracing.child(span, f"{ep} {plugin.name}", start, stop,
+                          {"epp.plugin_type": plugin.type_name})
+
+    def decided(self, request: LLMRequest, result: SchedulingResult,
+                set_headers: dict[str, str], response_headers: dict[str, str]) -> None:
+        tp = self.tracing.traceparent(self.span)
+        if tp:
+            set_headers[keys.HEADER_TRACEPARENT] = tp
+
+    def failed(self, request: LLMRequest, status: int, message: str | None) -> None:
+        self.span.set_attribute("http.status_code", status)
+        if message is not None:
+            self.span.set_attribute("error.message", message)
+        self.span.end()
+
+    def completed(self, request: LLMRequest, status: int, aborted: bool,
+                  usage: Usage | None, seconds: float) -> None:
+        self.span.set_attribute("http.status_code", status)
+        self.span.set_attribute("epp.aborted", aborted)
+        self.span.end()

@@ -5,11 +5,14 @@
 :class:`Routing`; on the response it parses usage and rewrites a rewritten model name back,
 then reports completion to the core exactly once.
 
-:class:`SchedulingCore` (the single owner of scheduling state): take the endpoint snapshot
-(narrowed by Envoy's subset hint) → run the scheduler → tell PreRequest plugins where the
-request went → headers for upstream and client; on completion: metrics, ResponseComplete
-plugins, trace span. ResponseHeaders plugins are asked once per request at decision time
-(status 0), so a decision can travel to a front in another process in one message.
+:class:`SchedulingCore` (the single owner of scheduling state) decides in four steps:
+candidates (the endpoint snapshot, narrowed by Envoy's subset hint) → schedule (the
+scheduler) → place (PreRequest plugins; headers for upstream and client) → account (the
+decision observer; the ticket). One :class:`~epp.observability.observer.DecisionObserver`
+sees every step and the completion: request metrics always, an explain record and a
+trace span when they are asked for. ResponseHeaders plugins are asked once per request at
+decision time (status 0), so a decision can travel to a front in another process in one
+message.
 """
 
 from __future__ import annotations
@@ -17,29 +20,32 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 import orjson
 
 from epp import keys
 from epp.datastore.store import Datastore
 from epp.errors import EppError, ServiceUnavailable
-from epp.handlers.protocol import Routing
-from epp.observability.explain import DecisionLog, header_value, new_record
-from epp.observability.metrics import EppMetrics
-from epp.observability.tracing import PluginSpans, Tracing
-from epp.parsing.request import ParsedRequest, api_type_for_path, parse_request_body, rewrite_model
-from epp.parsing.usage import Usage, UsageParser
-from epp.scheduling.interfaces import (
+from epp.framework.interfaces import (
+    DecisionClassifier,
     Plugin,
     PreRequest,
     RequestHeaders,
     ResponseComplete,
     ResponseHeaders,
 )
+from epp.handlers.protocol import Routing
+from epp.observability.explain import DecisionLog, ExplainObserver
+from epp.observability.metrics import EppMetrics, MetricsObserver
+from epp.observability.observer import DecisionObserver, Fanout
+from epp.observability.tracing import TraceObserver, Tracing
+from epp.parsing.request import ParsedRequest, api_type_for_path, parse_request_body, rewrite_model
+from epp.parsing.usage import Usage, UsageParser
 from epp.scheduling.scheduler import Scheduler
-from epp.scheduling.types import LLMRequest, SchedulingResult
+from epp.scheduling.types import Endpoint, LLMRequest, SchedulingResult
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +69,17 @@ class Decision:
 class _Ticket:
     request: LLMRequest
     endpoint_key: str
-    started: float
-    span: Any = None
-    explain: str | None = None
+    started: float  # time.monotonic() when placed
+    observer: DecisionObserver
+
+
+@dataclass(slots=True)
+class _Placement:
+    """What placing a scheduled request produced (the plugins' part of the decision)."""
+
+    endpoint_key: str
+    set_headers: dict[str, str]
+    response_headers: dict[str, str]
 
 
 class SchedulingCore:
@@ -101,147 +115,144 @@ class SchedulingCore:
         self.explain_header = explain_header
         self.decisions = decisions
         self.tracing = tracing
-        self._plugin_spans: PluginSpans | None = None
         self.on_upstream_failure: Callable[[str], None] | None = None
+        handler = scheduler.handler
         # P/D handlers classify each decision ("disaggregated" / "decode-only").
-        self._pd_decision = getattr(scheduler.handler, "decision", None)
+        self._metrics_observer = MetricsObserver(
+            metrics, handler.decision if isinstance(handler, DecisionClassifier) else None)
+        # The observer of the decision being scheduled, while it wants plugin timings.
+        self._timed: DecisionObserver | None = None
 
     def decide(self, request: LLMRequest, subset: Sequence[str] | None) -> Decision:
         """Schedule ``request``; raises EppError (counted) when it cannot be placed."""
-        headers = request.headers
-        incoming, target = request.incoming_model, request.target_model
-        record: dict[str, Any] | None = None
-        span = None
-        if self.tracing is not None:
-            span = self.tracing.start_request(headers)
-            self._plugin_spans = PluginSpans()
+        observer = self._observer(request)
         try:
-            candidates = self.store.routable()
-            if subset is not None:
-                allowed = set(subset)
-                candidates = tuple(e for e in candidates if e.key in allowed) or tuple(
-                    # Fail open within the hint, as over the whole pool: when it names only
-                    # endpoints the scrape calls unreachable, they are still candidates.
-                    e for e in self.store.snapshot() if e.key in allowed)
-                if not candidates:
-                    raise ServiceUnavailable(
-                        "no ready endpoint matches the subset hint "
-                        f"({', '.join(subset) or 'empty'})")
-            if not candidates:
-                raise ServiceUnavailable("no ready endpoints in the pool")
-            if self._explain_wanted(headers):
-                record = new_record(request.request_id, incoming, target, len(candidates))
-            t0 = time.perf_counter()
-            t0_ns = time.time_ns()
-            result = self.scheduler.schedule(
-                request, candidates, None if record is None else record["profiles"])
-            self.metrics.scheduler_e2e.observe(time.perf_counter() - t0)
-            if span is not None:
-                self._trace_scheduling(span, t0_ns, request, result)
+            candidates = self._candidates(subset)
+            result = self._schedule(request, candidates, observer)
         except EppError as e:
-            self.metrics.request_error_total.labels(incoming, target, str(e.status)).inc()
-            if span is not None:
-                span.set_attribute("http.status_code", e.status)
-                span.set_attribute("error.message", e.message)
-                span.end()
-            if record is not None:
-                record["error"] = {"status": e.status, "message": e.message}
-                self._keep(record)
+            observer.failed(request, e.status, e.message)
             raise
         except Exception as e:
             # A plugin bug: answer 500 (the handler turns EppError into an ImmediateResponse)
             # and count it like any other error.
             log.exception("scheduling failed")
-            self.metrics.request_error_total.labels(incoming, target, "500").inc()
-            if span is not None:
-                span.set_attribute("http.status_code", 500)
-                span.end()
+            observer.failed(request, 500, None)
             raise EppError("internal error in the endpoint picker") from e
+        placement = self._place(request, result)
+        return self._account(request, result, placement, observer)
 
-        primary = result.primary.endpoints
-        # From here on the request is placed: a failing plugin is logged and passed over
-        # (as ResponseHeaders and ResponseComplete plugins are), so the decision and its
-        # accounting always complete together.
+    def _observer(self, request: LLMRequest) -> DecisionObserver:
+        """Who watches this decision: the metrics, plus a trace and an explain record when
+        they are on for it (then in this order: the record shows the trace's header)."""
+        if self.tracing is None and self.decisions is None and not self.explain_header:
+            return self._metrics_observer
+        observers: list[DecisionObserver] = []
+        if self.tracing is not None:
+            observers.append(TraceObserver(self.tracing, request))
+        explain = ExplainObserver.for_request(request, self.decisions, self.explain_header)
+        if explain is not None:
+            observers.append(explain)
+        if not observers:
+            return self._metrics_observer
+        observers.append(self._metrics_observer)
+        return Fanout(observers)
+
+    def _candidates(self, subset: Sequence[str] | None) -> Sequence[Endpoint]:
+        """Step 1: the routable endpoints, narrowed by Envoy's subset hint; 503 if none."""
+        candidates = self.store.routable()
+        if subset is not None:
+            allowed = set(subset)
+            candidates = tuple(e for e in candidates if e.key in allowed) or tuple(
+                # Fail open within the hint, as over the whole pool: when it names only
+                # endpoints the scrape calls unreachable, they are still candidates.
+                e for e in self.store.snapshot() if e.key in allowed)
+            if not candidates:
+                raise ServiceUnavailable(
+                    "no ready endpoint matches the subset hint "
+                    f"({', '.join(subset) or 'empty'})")
+        if not candidates:
+            raise ServiceUnavailable("no ready endpoints in the pool")
+        return candidates
+
+    def _schedule(self, request: LLMRequest, candidates: Sequence[Endpoint],
+                  observer: DecisionObserver) -> SchedulingResult:
+        """Step 2: run the scheduler; per-plugin outcomes and timings reach the observer
+        only when it wants them."""
+        observer.started(request, candidates)
+        self._timed = observer if observer.timings else None
+        t0 = time.perf_counter()
+        try:
+            result = self.scheduler.schedule(request, candidates,
+                                             observer if observer.detail else None)
+        finally:
+            self._timed = None
+        seconds = time.perf_counter() - t0
+        observer.scheduled(request, result, seconds)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("routed", extra={"request_id": request.request_id,
+                                       "model": request.incoming_model,
+                                       "target_model": request.target_model,
+                                       "endpoints": [e.key for e in result.primary.endpoints],
+                                       "profiles": {n: (r.endpoints[0].key if r else None)
+                                                    for n, r in result.profile_results.items()},
+                                       "scheduling_ms": round(1000 * seconds, 3)})
+        return result
+
+    def _place(self, request: LLMRequest, result: SchedulingResult) -> _Placement:
+        """Step 3: tell the PreRequest plugins where the request goes; collect the
+        headers for upstream (RequestHeaders plugins, ``x-request-id``) and for the client
+        (ResponseHeaders plugins, asked now with status 0).
+
+        From here on the request is placed: a failing plugin is logged and passed over (as
+        ResponseComplete plugins are), so the decision and its accounting always complete
+        together."""
         for pre in self.pre_request:
             try:
                 pre.pre_request(request, result)
             except Exception:
                 log.exception("PreRequest plugin %s failed", pre.name)
-        hit = request.plugin_state.get(keys.PLUGIN_STATE_PREFIX_HIT_RATIO)
-        if hit is not None:
-            self.metrics.prefix_hit_ratio.observe(hit)
         set_headers: dict[str, str] = {}
         for hp in self.request_headers:
             try:
                 set_headers.update(hp.request_headers(request, result))
             except Exception:
                 log.exception("RequestHeaders plugin %s failed", hp.name)
-        if self._pd_decision is not None:
-            self.metrics.pd_decisions.labels(self._pd_decision(result)).inc()
-        if keys.HEADER_REQUEST_ID not in headers:
+        if keys.HEADER_REQUEST_ID not in request.headers:
             set_headers[keys.HEADER_REQUEST_ID] = request.request_id
-        ticket = _Ticket(request, primary[0].key, time.monotonic())
-        if span is not None and self.tracing is not None:
-            ticket.span = span
-            tp = self.tracing.traceparent(span)
-            if tp:
-                set_headers[keys.HEADER_TRACEPARENT] = tp
-        resp_headers: dict[str, str] = {}
-        destination = result.destination()
-        if record is not None:
-            record["primary_profile"] = result.primary_profile
-            record["destination"] = destination
-            if set_headers:
-                record["headers"] = dict(set_headers)
-            self._keep(record)
-            if headers.get(keys.HEADER_EXPLAIN, "").lower() in ("1", "true", "yes"):
-                resp_headers[keys.HEADER_EXPLAIN] = header_value(record)
+        endpoint_key = result.primary.endpoints[0].key
+        response_headers: dict[str, str] = {}
         for plugin in self.response_headers:
             try:
-                extra = plugin.response_headers(request, ticket.endpoint_key, 0, {})
+                extra = plugin.response_headers(request, endpoint_key, 0, {})
             except Exception:
                 log.exception("ResponseHeaders plugin %s failed", plugin.name)
                 continue
             if extra:
-                resp_headers.update(extra)
-        self.metrics.request_total.labels(incoming, target).inc()
-        self.metrics.running_requests.labels(incoming).inc()
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("routed", extra={"request_id": request.request_id, "model": incoming,
-                                       "target_model": target,
-                                       "endpoints": [e.key for e in primary],
-                                       "profiles": {n: (r.endpoints[0].key if r else None)
-                                                    for n, r in result.profile_results.items()},
-                                       "scheduling_ms": round(1000 * (time.perf_counter() - t0), 3)})
-        return Decision(destination, set_headers, resp_headers, ticket)
+                response_headers.update(extra)
+        return _Placement(endpoint_key, set_headers, response_headers)
+
+    def _account(self, request: LLMRequest, result: SchedulingResult, placement: _Placement,
+                 observer: DecisionObserver) -> Decision:
+        """Step 4: the observer records the decision (and may add headers: the trace
+        context, the explain record); the plugins' response headers go over its."""
+        set_headers = placement.set_headers
+        response_headers: dict[str, str] = {}
+        observer.decided(request, result, set_headers, response_headers)
+        if placement.response_headers:
+            response_headers.update(placement.response_headers)
+        ticket = _Ticket(request, placement.endpoint_key, time.monotonic(), observer)
+        return Decision(result.destination(), set_headers, response_headers, ticket)
 
     def complete(self, ticket: Any, status: int, aborted: bool, usage: Usage | None) -> None:
         """The decided request's response ended (or its stream aborted). Exactly once."""
         t: _Ticket = ticket
-        req = t.request
-        m = self.metrics
-        m.running_requests.labels(req.incoming_model).dec()
-        labels = (req.incoming_model, req.target_model)
-        if not aborted and 200 <= status < 300:
-            m.request_duration.labels(*labels).observe(time.monotonic() - t.started)
-            if usage is not None:
-                if usage.prompt_tokens is not None:
-                    m.input_tokens.labels(*labels).observe(usage.prompt_tokens)
-                if usage.completion_tokens is not None:
-                    m.output_tokens.labels(*labels).observe(usage.completion_tokens)
-                if usage.cached_tokens is not None:
-                    m.cached_tokens.labels(*labels).observe(usage.cached_tokens)
-        elif status >= 400:
-            m.request_error_total.labels(*labels, str(status)).inc()
+        seconds = time.monotonic() - t.started
         for plugin in self.response_complete:
             try:
-                plugin.response_complete(req, t.endpoint_key, aborted)
+                plugin.response_complete(t.request, t.endpoint_key, aborted)
             except Exception:
                 log.exception("ResponseComplete plugin %s failed", plugin.name)
-        if t.span is not None:
-            t.span.set_attribute("http.status_code", status)
-            t.span.set_attribute("epp.aborted", aborted)
-            t.span.end()
+        t.observer.completed(t.request, status, aborted, usage, seconds)
 
     def reject(self, incoming: str, target: str, status: int) -> None:
         """Count a request rejected before scheduling (bad body, body too large, …)."""
@@ -257,34 +268,12 @@ class SchedulingCore:
             self.on_upstream_failure(address)
 
     def plugin_timer(self, extension_point: str, plugin: Plugin, seconds: float) -> None:
-        """Fan-in point for plugin timings: feeds the current request's trace spans."""
-        spans = self._plugin_spans
-        if spans is not None:
-            spans.record(extension_point, plugin, seconds)
-
-    def _trace_scheduling(self, span: Any, t0_ns: int, request: LLMRequest,
-                          result: SchedulingResult) -> None:
-        assert self.tracing is not None
-        end = time.time_ns()
-        span.set_attribute("gen_ai.request.model", request.target_model)
-        span.set_attribute("epp.request_id", request.request_id)
-        self.tracing.child(span, "epp.scheduling", t0_ns, end, {
-            "epp.primary_profile": result.primary_profile,
-            "epp.endpoints": ",".join(e.key for e in result.primary.endpoints)})
-        spans, self._plugin_spans = self._plugin_spans, None
-        for ep, plugin, start, stop in (spans.calls if spans else ()):
-            self.tracing.child(span, f"{ep} {plugin.name}", start, stop,
-                               {"epp.plugin_type": plugin.type_name})
-
-    def _explain_wanted(self, headers: Mapping[str, str]) -> bool:
-        if self.decisions is not None:
-            return True
-        return self.explain_header and headers.get(keys.HEADER_EXPLAIN, "").lower() in (
-            "1", "true", "yes")
-
-    def _keep(self, record: dict[str, Any]) -> None:
-        if self.decisions is not None:
-            self.decisions.add(record)
+        """Fan-in point for plugin timings (the scheduler's PluginTimer, or part of it):
+        hands them to the observer of the decision being scheduled when it wants them
+        (its trace spans)."""
+        observer = self._timed
+        if observer is not None:
+            observer.plugin_timed(extension_point, plugin, seconds)
 
 
 class CoreClient(Protocol):

@@ -4,29 +4,62 @@
 done), each picked profile runs (filters → weighted scorers → picker) and its result (or
 ``None`` for "filtered to nothing") is stored; finally the handler aggregates the results
 into a :class:`SchedulingResult` naming the primary profile.
+
+Every plugin call is timed into the ``PluginTimer`` given at construction. Per-plugin
+outcomes (what each filter kept, each scorer's scores, the totals, the pick) go to a
+:class:`SchedulingObserver` only when one is passed to :meth:`Scheduler.schedule` (the
+explain feature): without one a profile run pays one ``None`` test per plugin call.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 from epp.errors import EppError
-from epp.scheduling.interfaces import Filter, Picker, Plugin, PluginTimer, ProfileHandler, Scorer
+from epp.framework.interfaces import Filter, Picker, Plugin, PluginTimer, ProfileHandler, Scorer
 from epp.scheduling.types import (
     CycleState,
     Endpoint,
     LLMRequest,
     ProfileRunResult,
-    ScoredEndpoint,
     SchedulingResult,
+    ScoredEndpoint,
 )
 
 MAX_CYCLES = 16
 
-# CycleState key: when set to a dict, profiles record why each endpoint was kept, dropped
-# and scored (the explain feature). Absent, nothing is recorded and nothing is paid.
-EXPLAIN_KEY = "epp.explain"
+# CycleState key holding the SchedulingObserver of this scheduling run, when there is one
+# (Profile.run's signature is the framework's, so the observer travels in the state).
+OBSERVER_KEY = "epp.observer"
+
+
+class SchedulingObserver(Protocol):
+    """Wants the outcome of every plugin call of a scheduling run, in call order.
+
+    ``profile`` is the running profile's name. The sequences passed are the scheduler's
+    own: read them during the call, do not keep or change them.
+    """
+
+    def profile_started(self, profile: str, candidates: Sequence[Endpoint]) -> None:
+        """The profile starts over ``candidates``."""
+        ...
+
+    def filtered(self, profile: str, plugin: Filter, before: Sequence[Endpoint],
+                 kept: Sequence[Endpoint]) -> None:
+        """``plugin`` kept ``kept`` of ``before``; empty ``kept`` ends the profile (``None``)."""
+        ...
+
+    def scored(self, profile: str, plugin: Scorer, weight: float,
+               endpoints: Sequence[Endpoint], scores: Sequence[float]) -> None:
+        """``plugin`` (weighted by ``weight``) scored ``endpoints``: ``scores``, clamped."""
+        ...
+
+    def picked(self, profile: str, plugin: Picker, scored: Sequence[ScoredEndpoint],
+               result: ProfileRunResult) -> None:
+        """``plugin`` picked ``result`` from ``scored`` (the weighted totals)."""
+        ...
 
 
 def _no_timer(extension_point: str, plugin: Plugin, seconds: float) -> None:
@@ -53,29 +86,40 @@ class SchedulerProfile:
     def run(
         self, state: CycleState, request: LLMRequest, candidates: Sequence[Endpoint]
     ) -> ProfileRunResult | None:
-        """Run the profile; ``None`` when the filters leave no endpoint."""
-        explain = state.get(EXPLAIN_KEY)
-        if explain is not None:
-            return self._run_explained(state, request, candidates, explain)
+        """Run the profile; ``None`` when the filters leave no endpoint.
+
+        Reports each plugin's outcome to the run's observer (``OBSERVER_KEY``) if any.
+        """
+        observer: SchedulingObserver | None = state.get(OBSERVER_KEY)
         timer = self._timer
+        name = self.name
+        if observer is not None:
+            observer.profile_started(name, candidates)
         endpoints: Sequence[Endpoint] = candidates
         for f in self.filters:
             t0 = time.perf_counter()
-            endpoints = f.filter(state, request, endpoints)
+            kept = f.filter(state, request, endpoints)
             timer("Filter", f, time.perf_counter() - t0)
-            if not endpoints:
+            if observer is not None:
+                observer.filtered(name, f, endpoints, kept)
+            if not kept:
                 return None
+            endpoints = kept
         totals = [0.0] * len(endpoints)
         for scorer, weight in self.scorers:
             t0 = time.perf_counter()
             scores = self._scores(scorer, state, request, endpoints)
             timer("Scorer", scorer, time.perf_counter() - t0)
+            if observer is not None:
+                observer.scored(name, scorer, weight, endpoints, scores)
             for i, s in enumerate(scores):
                 totals[i] += weight * s
         scored = [ScoredEndpoint(e, t) for e, t in zip(endpoints, totals)]
         t0 = time.perf_counter()
         result = self.picker.pick(state, scored)
         timer("Picker", self.picker, time.perf_counter() - t0)
+        if observer is not None:
+            observer.picked(name, self.picker, scored, result)
         return result
 
     @staticmethod
@@ -87,45 +131,6 @@ class SchedulerProfile:
                            f"{len(endpoints)} endpoints")
         # Clamp: a misbehaving scorer must not outweigh the others.
         return [0.0 if s < 0.0 else 1.0 if s > 1.0 else float(s) for s in scores]
-
-    def _run_explained(self, state: CycleState, request: LLMRequest,
-                       candidates: Sequence[Endpoint],
-                       explain: dict[str, Any]) -> ProfileRunResult | None:
-        """The same run, recording per-plugin outcomes into ``explain[profile name]``."""
-        rec: dict[str, Any] = {"candidates": [e.key for e in candidates], "dropped": {},
-                               "scores": {}, "totals": {}, "picked": []}
-        explain[self.name] = rec
-        timer = self._timer
-        endpoints: Sequence[Endpoint] = candidates
-        for f in self.filters:
-            t0 = time.perf_counter()
-            kept = f.filter(state, request, endpoints)
-            timer("Filter", f, time.perf_counter() - t0)
-            kept_keys = {e.key for e in kept}
-            for e in endpoints:
-                if e.key not in kept_keys:
-                    rec["dropped"][e.key] = f"filter {f.name} ({f.type_name})"
-            endpoints = kept
-            if not endpoints:
-                rec["result"] = "no endpoint left after filters"
-                return None
-        totals = [0.0] * len(endpoints)
-        for scorer, weight in self.scorers:
-            t0 = time.perf_counter()
-            scores = self._scores(scorer, state, request, endpoints)
-            timer("Scorer", scorer, time.perf_counter() - t0)
-            rec["scores"][scorer.name] = {
-                "type": scorer.type_name, "weight": weight,
-                "scores": {e.key: round(s, 4) for e, s in zip(endpoints, scores)}}
-            for i, s in enumerate(scores):
-                totals[i] += weight * s
-        rec["totals"] = {e.key: round(t, 4) for e, t in zip(endpoints, totals)}
-        t0 = time.perf_counter()
-        result = self.picker.pick(state, [ScoredEndpoint(e, t) for e, t in zip(endpoints, totals)])
-        timer("Picker", self.picker, time.perf_counter() - t0)
-        rec["picker"] = self.picker.name
-        rec["picked"] = [e.key for e in result.endpoints]
-        return result
 
 
 class Scheduler:
@@ -142,16 +147,17 @@ class Scheduler:
         self._timer = timer
 
     def schedule(self, request: LLMRequest, candidates: Sequence[Endpoint],
-                 explain: dict[str, Any] | None = None) -> SchedulingResult:
+                 observer: SchedulingObserver | None = None) -> SchedulingResult:
         """Run the profile cycles over ``candidates`` (non-empty).
 
-        ``explain``, when given, receives one record per profile run (see ``EXPLAIN_KEY``).
+        ``observer``, when given, is told every plugin call's outcome of every profile run
+        (see :class:`SchedulingObserver`); the decision is the same with or without one.
         Raises ``NoCapacity`` (from the handler) when the profiles filtered to nothing and
         ``EppError`` (500) when the handler misbehaves (loops, picks unknown profiles).
         """
         state = CycleState()
-        if explain is not None:
-            state[EXPLAIN_KEY] = explain
+        if observer is not None:
+            state[OBSERVER_KEY] = observer
         results: dict[str, ProfileRunResult | None] = {}
         for _ in range(MAX_CYCLES):
             t0 = time.perf_counter()

@@ -9,9 +9,10 @@ model, prompt view, headers — so the protocol front can live in another proces
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 _EMPTY: Mapping[str, str] = MappingProxyType({})
 

@@ -1,463 +1,255 @@
-"""The EPP server: explicit lifecycle (``start()``, ``stop(grace)``), one event loop.
+"""The EPP server: explicit lifecycle (``start()``, ``drain()``, ``stop(grace)``), one loop.
 
-Startup order: build the config and the metric mappings (fail fast), load endpoints
-(fails fast on a bad file), bind the metrics, health and ext_proc ports (a port in use is
-a clear error), start the model-server metrics scraper, then report SERVING on the health
-services once the endpoint source has synced. Shutdown (:func:`serve_forever`): drain
-first (:meth:`EppServer.drain`, epp/server/drain.py: NOT_SERVING at once, ext_proc keeps
-serving for the drain window), then stop: endpoint source, scraper, then the gRPC servers
-(with grace) and the metrics port.
+:meth:`EppServer.start`:
+
+1. validate the options (epp/server/options.py) and build the config (fail fast);
+2. wire the object graph (epp/server/wiring.py: no port, no task, no file);
+3. start, through one :class:`contextlib.AsyncExitStack`, each resource followed at once
+   by its cleanup: tracing; the endpoint source's fallible part (connect to Kubernetes,
+   or read the endpoints file); the metrics, health and ext_proc ports (a port in use is
+   a clear :class:`StartupError`; with ``--workers N`` the core socket and the front
+   processes instead of the ext_proc port); the model-server metrics scraper; polling of
+   the endpoints file; health (NOT_SERVING until the endpoint source has synced); the
+   Kubernetes source; the leader elector.
+
+Teardown is that stack unwound, so it runs in reverse: elector (releases the Lease),
+Kubernetes source, file polling, scraper, ext_proc (fronts, then the core socket), health
+and metrics ports, the Kubernetes client, tracing (flushes spans). A startup that fails
+halfway unwinds what had started. Shutdown (:func:`serve_forever`): drain first
+(:meth:`EppServer.drain`, epp/server/drain.py: NOT_SERVING at once, ext_proc keeps
+serving for the drain window), then :meth:`EppServer.stop`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
 
 import grpc
-import orjson
-from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from grpc_health.v1 import health_pb2_grpc
 
-from epp import keys
-from epp.config.loader import BuiltConfig, load_and_build
-from epp.datalayer.engines import EngineMappings, MappingOverrides
-from epp.datalayer.scraper import MetricsScraper, ScrapeOptions, ScraperCollector
+from epp.config.loader import load_and_build
+from epp.datalayer.scraper import ScraperCollector
 from epp.datastore.store import Datastore
-from epp.discovery.kubeclient import KubeApi, connect
-from epp.discovery.kubernetes import (
-    KubernetesOptions,
-    KubernetesSource,
-    PoolSpec,
-    parse_selector,
-    parse_target_ports,
-    resolve_namespace,
-)
-from epp.discovery.reflector import ReflectorOptions
-from epp.discovery.static import StaticFileSource, parse_endpoints_arg
-from epp.errors import ConfigError
-from epp.handlers.extproc import DEFAULT_MAX_HEADERS, ExtProcServicer
-from epp.observability.explain import DecisionLog
-from epp.observability.metrics import EppMetrics
+from epp.discovery.kubeclient import connect
+from epp.discovery.kubernetes import KubernetesSource
 from epp.observability.tracing import Tracing
-from epp.requestcontrol.director import Director, SchedulingCore
-from epp.scheduling.interfaces import Plugin
-from epp.scheduling.plugins.prefix import ApproxPrefixCacheProducer
-from epp.server.drain import (
-    DEFAULT_DRAIN_QUIET_S,
-    DEFAULT_DRAIN_TIMEOUT_S,
-    StreamTracker,
-    TrackedExtProc,
-    drain_server,
+from epp.server.drain import TrackedExtProc
+from epp.server.leader import LeaderElector
+from epp.server.listeners import (
+    ExtProcPort,
+    InProcessExtProc,
+    StartupError,
+    bind,
+    grpc_server,
+    host_port,
 )
-from epp.server.leader import LeaderElectionOptions, LeaderElector, default_identity, lease_name
+from epp.server.metrics_http import metrics_app, serve_metrics
+from epp.server.options import (
+    DEFAULT_MAX_BODY,
+    KubernetesDiscovery,
+    ServeOptions,
+    validate,
+)
 from epp.server.tls import load_key_pair, self_signed_key_pair
-from epp.server.workers import CoreServer, FrontPool, check_port_free, front_argv
-from epp.stack.procs import wait_port
+from epp.server.wiring import PluginTimings, ServerParts, wire
+from epp.server.workers import CoreServer, FrontPool, FrontProcesses, check_port_free, front_argv
+
+__all__ = ["DEFAULT_MAX_BODY", "EppServer", "ServeOptions", "StartupError", "host_port",
+           "serve_forever"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_BODY = 64 << 20
 
+@dataclass(frozen=True)
+class Running:
+    """What :meth:`EppServer.start` made and started."""
 
-class StartupError(Exception):
-    """The server cannot start (port in use, bad endpoints, bad config)."""
-
-
-def host_port(address: str, port: int) -> str:
-    """``address:port`` as gRPC parses it (IPv6 addresses in brackets)."""
-    if ":" in address and not address.startswith("["):
-        return f"[{address}]:{port}"
-    return f"{address}:{port}"
-
-
-@dataclass
-class ServeOptions:
-    grpc_port: int = 9002
-    grpc_health_port: int = 9003
-    metrics_port: int = 9090
-    bind_address: str = "0.0.0.0"  # the default for the three below
-    grpc_bind_address: str | None = None  # ext_proc port (None: bind_address)
-    grpc_health_bind_address: str | None = None  # gRPC health port
-    metrics_bind_address: str | None = None  # Prometheus /metrics and /debug/* port
-    config_file: str | None = None
-    config_text: str | None = None
-    endpoints: str | None = None
-    endpoints_file: str | None = None
-    max_request_body_bytes: int = DEFAULT_MAX_BODY
-    # The gateway's request header limit (Envoy's max_headers_count); 0 = no check.
-    max_request_headers: int = DEFAULT_MAX_HEADERS
-    endpoints_poll_interval_s: float = 0.5
-    # Kubernetes discovery (docs/kubernetes.md): an InferencePool, or standalone.
-    pool_name: str | None = None
-    pool_namespace: str | None = None
-    pool_group: str = keys.K8S_POOL_GROUP
-    endpoint_selector: str | None = None
-    endpoint_target_ports: str | None = None
-    kubeconfig: str | None = None
-    watch_nodes: bool = True
-    k8s_debounce_s: float = 0.05
-    k8s_reflector: ReflectorOptions = field(default_factory=ReflectorOptions)
-    # TLS on the ext_proc port (GIE serves it by default; here it is opt-in).
-    secure_serving: bool = False
-    cert_path: str | None = None
-    # Leader election (active-passive); client-go's default timings.
-    ha_enable_leader_election: bool = False
-    ha_lease_duration_s: float = 15.0
-    ha_renew_deadline_s: float = 10.0
-    ha_retry_period_s: float = 2.0
-    scrape_metrics: bool = True
-    scrape: ScrapeOptions = field(default_factory=ScrapeOptions)
-    metric_overrides: MappingOverrides = field(default_factory=MappingOverrides)
-    # Observability (docs/observability.md).
-    enable_explain_header: bool = False
-    explain_history: int = 0
-    metrics_auth_token: str | None = None  # bearer token required on /metrics and /debug/*
-    tracing: bool = False
-    # Protocol-front processes around this scheduling core (1 = all in this process).
-    workers: int = 1
-    log_level: str = "info"
-    # Shutdown (epp/server/drain.py): serve ext_proc for up to drain_timeout_s after
-    # SIGTERM, less once no stream has been in flight for drain_quiet_s.
-    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
-    drain_quiet_s: float = DEFAULT_DRAIN_QUIET_S
-
-    @property
-    def grpc_address(self) -> str:
-        return self.grpc_bind_address or self.bind_address
-
-    @property
-    def health_address(self) -> str:
-        return self.grpc_health_bind_address or self.bind_address
-
-    @property
-    def metrics_address(self) -> str:
-        return self.metrics_bind_address or self.bind_address
+    parts: ServerParts
+    ext_proc: ExtProcPort
+    k8s_source: KubernetesSource | None
+    elector: LeaderElector | None
+    release_lease: Callable[[], Awaitable[None]] | None  # once: by the drain, else at stop
 
 
 class EppServer:
+    """One ``epp serve`` process: :meth:`start`, then :meth:`drain` and/or :meth:`stop`.
+
+    What start() made is readable afterwards: :attr:`parts` (the wired graph),
+    :attr:`store`, :attr:`k8s_source`, :attr:`elector`.
+    """
+
     def __init__(self, options: ServeOptions) -> None:
         self.options = options
-        self.store = Datastore()
-        self.metrics = EppMetrics(self.store)
-        self.built: BuiltConfig | None = None
-        self.decisions: DecisionLog | None = None
-        self.tracing: Tracing | None = None
-        self._stream_outcomes: dict[str, Any] = {}
-        self.director: Director | None = None
-        self.core: SchedulingCore | None = None
-        self._core_server: CoreServer | None = None
-        self._fronts: FrontPool | None = None
-        self._static_file: StaticFileSource | None = None
-        self._grpc: grpc.aio.Server | None = None
-        self._health_server: grpc.aio.Server | None = None
-        self._health = health.aio.HealthServicer()
-        self._metrics_runner: web.AppRunner | None = None
-        self._kube_api: KubeApi | None = None
-        self.k8s_source: KubernetesSource | None = None
-        self.elector: LeaderElector | None = None
-        self.scraper: MetricsScraper | None = None
-        self.tracker = StreamTracker()  # ext_proc streams of this process (--workers 1)
-        self.draining = False
+        self._stack = AsyncExitStack()  # what start() started, with its cleanups
+        self._grace = 0.0  # for the gRPC servers' cleanups: set by stop()
+        self._running: Running | None = None
 
+    # -- what start() made --------------------------------------------------------------
+    @property
+    def running(self) -> Running:
+        if self._running is None:
+            raise RuntimeError("EppServer.start() has not completed")
+        return self._running
+
+    @property
+    def parts(self) -> ServerParts:
+        return self.running.parts
+
+    @property
+    def store(self) -> Datastore:
+        return self.running.parts.store
+
+    @property
+    def k8s_source(self) -> KubernetesSource | None:
+        return self.running.k8s_source
+
+    @property
+    def elector(self) -> LeaderElector | None:
+        return self.running.elector
+
+    # -- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
-        o = self.options
-        # Phase 1: everything that can be validated without binding a port.
-        self.built = load_and_build(o.config_file, o.config_text, timer=self._plugin_timer)
-        kube = self._kubernetes_options()
-        if sum(x is not None for x in (o.endpoints, o.endpoints_file, kube)) != 1:
-            raise ConfigError("give exactly one endpoint source: --endpoints ip:port[,…], "
-                              "--endpoints-file FILE, --pool-name NAME (an InferencePool), or "
-                              "--endpoint-selector k=v[,…] with --endpoint-target-ports "
-                              "PORT[,…] (pods without the CRD)")
-        if o.ha_enable_leader_election and kube is None:
-            raise ConfigError("--ha-enable-leader-election needs a Kubernetes endpoint "
-                              "source (--pool-name or --endpoint-selector)")
-        if o.endpoints is not None:
-            self.store.set_endpoints(parse_endpoints_arg(o.endpoints))
-        elif kube is not None:
-            await self._setup_kubernetes(kube)
-        else:
-            self._static_file = StaticFileSource(Path(o.endpoints_file or ""), self.store,
-                                                 o.endpoints_poll_interval_s)
-            self._static_file.load_initial()
-        for plugin in self.built.endpoint_removed:
-            self.store.on_removed(lambda ep, p=plugin: p.endpoint_removed(ep.key))
-        self.decisions = DecisionLog(o.explain_history) if o.explain_history > 0 else None
-        producers = [p for p in self.built.plugins.values()
-                     if isinstance(p, ApproxPrefixCacheProducer)]
-        if producers:
-            self.metrics.track_prefix_index_size(
-                lambda: float(sum(p.index.size() for p in producers)))
-        self.tracing = Tracing() if o.tracing else None
-        self.core = SchedulingCore(self.store, self.built.scheduler, self.metrics,
-                                   self.built.pre_request, self.built.response_complete,
-                                   self.built.request_headers, self.built.response_headers,
-                                   explain_header=o.enable_explain_header,
-                                   decisions=self.decisions, tracing=self.tracing)
-        self.director = Director(self.core)
-        scraper: MetricsScraper | None = None
-        if o.scrape_metrics:
-            scraper = MetricsScraper(self.store, o.scrape,
-                                     EngineMappings(overrides=o.metric_overrides))
-            # Envoy's word that a pod refused the connection (response attributes): out
-            # of the candidates now, back at the next scrape that gets an answer.
-            self.core.on_upstream_failure = scraper.report_unreachable
-
-        # Phase 2: bind ports.
-        try:
-            await self._start_metrics()
-            await self._start_health()
-            if o.workers > 1:
-                await self._start_fronts(o.workers)
+        plan = validate(self.options)
+        o = plan.options
+        timings = PluginTimings()
+        built = load_and_build(o.config.file, o.config.text, timer=timings)
+        async with AsyncExitStack() as stack:
+            tracing: Tracing | None = None
+            if o.observability.tracing:
+                tracing = Tracing()
+                stack.callback(tracing.shutdown)  # flushes spans still queued for export
+            parts = wire(plan, built, timings, tracing)
+            health = parts.health
+            # The endpoint source's fallible part, before any port is bound.
+            k8s_source: KubernetesSource | None = None
+            elector: LeaderElector | None = None
+            if isinstance(plan.source, KubernetesDiscovery):
+                k8s_source, elector = await self._connect_kubernetes(stack, parts,
+                                                                     plan.source)
+            elif parts.endpoints_file is not None:
+                parts.endpoints_file.load_initial()  # a bad file fails startup
+            # The ports.
+            await self._serve_metrics(stack, parts)
+            await self._serve_health(stack, parts)
+            if parts.ext_proc is not None:
+                ext_proc: ExtProcPort = await self._serve_ext_proc(stack, parts, parts.ext_proc)
             else:
-                await self._start_ext_proc()
-        except BaseException:
-            await self.stop(0)
-            raise
-        if scraper is not None:
-            self.metrics.registry.register(ScraperCollector(scraper))
-            scraper.start()
-            self.scraper = scraper
-        if self._static_file is not None:
-            self._static_file.start_polling()
-        await self._update_health()
-        if self.k8s_source is not None:
-            await self.k8s_source.start()
-        if self.elector is not None:
-            self.elector.start()
+                ext_proc = await self._start_fronts(stack, parts)
+            # Background work.
+            if parts.scraper is not None:
+                parts.metrics.registry.register(ScraperCollector(parts.scraper))
+                parts.scraper.start()
+                stack.push_async_callback(parts.scraper.stop)
+            if parts.endpoints_file is not None:
+                parts.endpoints_file.start_polling()
+                stack.push_async_callback(parts.endpoints_file.stop)
+            await health.update()
+            if k8s_source is not None:
+                stack.push_async_callback(k8s_source.stop)  # also undoes a partial start
+                await k8s_source.start()
+            release_lease: Callable[[], Awaitable[None]] | None = None
+            if elector is not None:
+                elector.start()
+                # Releases the Lease (a standby takes over at once), unless the drain did.
+                release_lease = _once(elector.stop)
+                stack.push_async_callback(release_lease)
+            self._running = Running(parts, ext_proc, k8s_source, elector, release_lease)
+            self._stack = stack.pop_all()
+        listen = o.listen
         log.info("epp serving ext_proc on %s (health %s, metrics %s), %d endpoints",
-                 host_port(o.grpc_address, o.grpc_port),
-                 host_port(o.health_address, o.grpc_health_port),
-                 host_port(o.metrics_address, o.metrics_port), len(self.store))
+                 host_port(listen.grpc_address, listen.grpc_port),
+                 host_port(listen.health_address, listen.grpc_health_port),
+                 host_port(listen.metrics_address, listen.metrics_port), len(parts.store))
 
-    def _grpc_server(self, max_message: int) -> grpc.aio.Server:
-        """A grpc.aio server; ``max_message`` bounds messages both ways (-1: no bound)."""
-        return grpc.aio.server(options=[
-            # Without this a second process could bind the same port silently.
-            ("grpc.so_reuseport", 0),
-            ("grpc.max_receive_message_length", max_message),
-            ("grpc.max_send_message_length", max_message),
-            # Accept Envoy's HTTP/2 keepalive PINGs (the shipped Envoy config sends them so
-            # a hung EPP fails requests instead of hanging full-duplex streams forever).
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.min_ping_interval_without_data_ms", 1000),
-            ("grpc.http2.max_ping_strikes", 0),
-        ])
+    async def _connect_kubernetes(
+            self, stack: AsyncExitStack, parts: ServerParts, discovery: KubernetesDiscovery,
+    ) -> tuple[KubernetesSource, LeaderElector | None]:
+        """Connect (fails fast on a missing or bad kubeconfig) and make the source and,
+        when enabled, the leader elector; both start after the ports are bound."""
+        health = parts.health
+        api = await connect(discovery.kubeconfig)
+        stack.push_async_callback(api.close)
+        source = KubernetesSource(api, parts.store, discovery.options,
+                                  on_state_change=health.update)
+        health.require(lambda: source.ready)
+        parts.metrics.gangs.tracker = source.gangs
+        if discovery.election is None:
+            return source, None
+        elector = LeaderElector(api, discovery.election,
+                                on_change=lambda _leader: health.update())
+        health.require(lambda: elector.is_leader)
+        return source, elector
 
-    def _bind(self, server: grpc.aio.Server, address: str, port: int, what: str,
-              credentials: grpc.ServerCredentials | None = None) -> None:
-        addr = host_port(address, port)
-        try:
-            if credentials is not None:
-                bound = server.add_secure_port(addr, credentials)
-            else:
-                bound = server.add_insecure_port(addr)
-        except RuntimeError as e:
-            raise StartupError(f"cannot listen for {what} on {addr}: {e} (port in use? pick "
-                               "another with the matching --*-port flag)") from e
-        if bound == 0:
-            raise StartupError(f"cannot listen for {what} on {addr} (port in use?)")
+    async def _serve_metrics(self, stack: AsyncExitStack, parts: ServerParts) -> None:
+        listen = parts.plan.options.listen
+        app = metrics_app(parts.metrics.registry, parts.decisions, parts.plan.metrics_auth_token)
+        runner = await serve_metrics(app, listen.metrics_address, listen.metrics_port)
+        stack.push_async_callback(runner.cleanup)
 
-    async def _start_ext_proc(self) -> None:
-        assert self.director is not None
+    async def _serve_health(self, stack: AsyncExitStack, parts: ServerParts) -> None:
+        listen = parts.plan.options.listen
+        server = grpc_server(4 << 20)
+        health_pb2_grpc.add_HealthServicer_to_server(parts.health.servicer, server)
+        bind(server, listen.health_address, listen.grpc_health_port, "gRPC health")
+        await server.start()
+        stack.push_async_callback(lambda: server.stop(self._grace))
+
+    async def _serve_ext_proc(self, stack: AsyncExitStack, parts: ServerParts,
+                              servicer: TrackedExtProc) -> InProcessExtProc:
+        """The ext_proc port in this process (``--workers 1``), with gRPC health on it."""
+        o = parts.plan.options
         # No gRPC message limit: a BUFFERED body arrives as one message, and one over
         # --max-request-body-bytes must reach the handler to be answered with 413 (a gRPC
         # limit would fail the stream: RESOURCE_EXHAUSTED, an empty 500 from Envoy). What
         # bounds a message is Envoy's buffer (per_connection_buffer_limit_bytes); the
         # ext_proc port should be reachable by the gateway only (--grpc-bind-address).
-        server = self._grpc_server(-1)
-        pb_grpc.add_ExternalProcessorServicer_to_server(
-            TrackedExtProc(ExtProcServicer(self.director, self.options.max_request_body_bytes,
-                                           on_stream_end=self._stream_ended,
-                                           max_headers=self.options.max_request_headers,
-                                           body_consumers=self._body_consumers()),
-                           self.tracker),
-            server)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        server = grpc_server(-1)
+        pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(parts.health.servicer, server)
         credentials: grpc.ServerCredentials | None = None
-        if self.options.secure_serving:
+        if o.tls.secure_serving:
             # GIE's EPP serves TLS (self-signed unless --cert-path); gateways built for it
             # connect with TLS and skip verification. Health stays plaintext (probes).
-            key, chain = (load_key_pair(self.options.cert_path) if self.options.cert_path
+            key, chain = (load_key_pair(o.tls.cert_path) if o.tls.cert_path
                           else self_signed_key_pair())
             credentials = grpc.ssl_server_credentials([(key, chain)])
-        self._bind(server, self.options.grpc_address, self.options.grpc_port, "ext_proc gRPC",
-                   credentials)
+        bind(server, o.listen.grpc_address, o.listen.grpc_port, "ext_proc gRPC", credentials)
         await server.start()
-        self._grpc = server
+        port = InProcessExtProc(server, parts.tracker)
+        stack.push_async_callback(lambda: port.stop(self._grace))
+        return port
 
-    def _body_consumers(self) -> list[str]:
-        """Configured plugins that declare they need response bodies."""
-        assert self.built is not None
-        return [name for name, p in self.built.plugins.items()
-                if "body" in getattr(p, "response_needs", ())]
-
-    async def _start_fronts(self, n: int) -> None:
+    async def _start_fronts(self, stack: AsyncExitStack, parts: ServerParts) -> FrontProcesses:
         """``--workers N``: N front processes serve ext_proc; this process is the core."""
-        assert self.core is not None
-        o = self.options
+        o = parts.plan.options
+        address, grpc_port = o.listen.grpc_address, o.listen.grpc_port
         try:
-            check_port_free(o.grpc_address, o.grpc_port)
+            check_port_free(address, grpc_port)
         except OSError as e:
             raise StartupError(f"cannot listen for ext_proc gRPC on "
-                               f"{host_port(o.grpc_address, o.grpc_port)}: {e.strerror or e} "
+                               f"{host_port(address, grpc_port)}: {e.strerror or e} "
                                "(port in use? pick another with --grpc-port)") from e
-        self._core_server = CoreServer(self.core, self._stream_ended)
-        await self._core_server.start()
-        self._fronts = FrontPool(n, front_argv(
-            core_socket=self._core_server.path, grpc_port=o.grpc_port,
-            bind_address=o.grpc_address, max_body=o.max_request_body_bytes,
-            max_headers=o.max_request_headers,
-            secure_serving=o.secure_serving, cert_path=o.cert_path,
-            drain_timeout=o.drain_timeout_s, drain_quiet=o.drain_quiet_s,
-            log_level=o.log_level))
-        await self._fronts.start()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 30
-        while self._core_server.fronts < n:
-            if self._fronts.exited():
-                raise StartupError(f"an ext_proc worker process exited with status "
-                                   f"{self._fronts.exited()[0]} at startup (see its log above)")
-            if loop.time() > deadline:
-                raise StartupError(f"only {self._core_server.fronts} of {n} ext_proc workers "
-                                   "connected within 30s")
-            await asyncio.sleep(0.05)
-        # A front connects before its gRPC server starts; wait until the port answers.
-        await wait_port("127.0.0.1" if o.grpc_address in ("0.0.0.0", "::") else o.grpc_address,
-                        o.grpc_port, timeout=30)
-
-    async def _start_health(self) -> None:
-        server = self._grpc_server(4 << 20)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        self._bind(server, self.options.health_address, self.options.grpc_health_port,
-                   "gRPC health")
-        await server.start()
-        self._health_server = server
-
-    def _plugin_timer(self, extension_point: str, plugin: Plugin, seconds: float) -> None:
-        self.metrics.observe_plugin(extension_point, plugin, seconds)
-        if self.tracing is not None and self.core is not None:
-            self.core.plugin_timer(extension_point, plugin, seconds)
-
-    def _stream_ended(self, outcome: str) -> None:
-        child = self._stream_outcomes.get(outcome)
-        if child is None:
-            child = self._stream_outcomes[outcome] = self.metrics.extproc_streams.labels(outcome)
-        child.inc()
-
-    async def _start_metrics(self) -> None:
-        registry = self.metrics.registry
-        token = self.options.metrics_auth_token
-        expected = f"Bearer {token}" if token else None
-
-        def authorized(request: web.Request) -> bool:
-            return expected is None or hmac.compare_digest(
-                request.headers.get("Authorization", ""), expected)
-
-        async def metrics(request: web.Request) -> web.Response:
-            if not authorized(request):
-                return web.Response(status=401, text="missing or wrong bearer token\n",
-                                    headers={"WWW-Authenticate": "Bearer"})
-            return web.Response(body=generate_latest(registry),
-                                headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-        async def decisions(request: web.Request) -> web.Response:
-            if not authorized(request):
-                return web.Response(status=401, text="missing or wrong bearer token\n",
-                                    headers={"WWW-Authenticate": "Bearer"})
-            if self.decisions is None:
-                return web.json_response({"error": "decision history is off; start epp serve "
-                                          "with --explain-history N"}, status=404)
-            try:
-                limit = int(request.query.get("limit", "20"))
-            except ValueError:
-                return web.json_response({"error": "limit must be an integer"}, status=400)
-            return web.Response(body=orjson.dumps(self.decisions.last(limit)),
-                                content_type="application/json")
-
-        app = web.Application()
-        app.router.add_get("/metrics", metrics)
-        app.router.add_get("/debug/decisions", decisions)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        address = self.options.metrics_address
-        site = web.TCPSite(runner, address, self.options.metrics_port)
-        try:
-            await site.start()
-        except OSError as e:
-            await runner.cleanup()
-            raise StartupError(f"cannot listen for metrics on "
-                               f"{host_port(address, self.options.metrics_port)}: "
-                               f"{e.strerror or e} (port in use? pick another with "
-                               "--metrics-port)") from e
-        self._metrics_runner = runner
-
-    def _kubernetes_options(self) -> KubernetesOptions | None:
-        """Kubernetes discovery options from the flags; None when none were given."""
-        o = self.options
-        if o.endpoint_target_ports is not None and o.endpoint_selector is None:
-            raise ConfigError("--endpoint-target-ports needs --endpoint-selector")
-        if o.endpoint_selector is not None:
-            if o.endpoint_target_ports is None:
-                raise ConfigError("--endpoint-selector needs --endpoint-target-ports "
-                                  "PORT[,PORT…]")
-            standalone = PoolSpec(parse_selector(o.endpoint_selector),
-                                  parse_target_ports(o.endpoint_target_ports))
-            return KubernetesOptions(namespace=resolve_namespace(o.pool_namespace),
-                                     standalone=standalone, watch_nodes=o.watch_nodes,
-                                     debounce_s=o.k8s_debounce_s, reflector=o.k8s_reflector)
-        if o.pool_name is not None:
-            if not o.pool_name:
-                raise ConfigError("--pool-name: empty name")
-            return KubernetesOptions(namespace=resolve_namespace(o.pool_namespace),
-                                     pool_name=o.pool_name, pool_group=o.pool_group,
-                                     watch_nodes=o.watch_nodes, debounce_s=o.k8s_debounce_s,
-                                     reflector=o.k8s_reflector)
-        if o.pool_namespace is not None or o.kubeconfig is not None:
-            raise ConfigError("--pool-namespace/--kubeconfig need --pool-name or "
-                              "--endpoint-selector")
-        return None
-
-    async def _setup_kubernetes(self, kube: KubernetesOptions) -> None:
-        """Connect (fails fast on a missing or bad kubeconfig) and build the source and,
-        when enabled, the leader elector; both start after the ports are bound."""
-        o = self.options
-        election: LeaderElectionOptions | None = None
-        if o.ha_enable_leader_election:
-            name = kube.pool_name or o.pool_name
-            if not name:
-                raise ConfigError("--ha-enable-leader-election in standalone mode needs "
-                                  "--pool-name NAME to name the Lease")
-            election = LeaderElectionOptions(
-                namespace=kube.namespace, name=lease_name(kube.namespace, name),
-                identity=default_identity(), lease_duration_s=o.ha_lease_duration_s,
-                renew_deadline_s=o.ha_renew_deadline_s, retry_period_s=o.ha_retry_period_s)
-        self._kube_api = await connect(o.kubeconfig)
-        self.k8s_source = KubernetesSource(self._kube_api, self.store, kube,
-                                           on_state_change=self._update_health)
-        self.metrics.gangs.tracker = self.k8s_source.gangs
-        if election is not None:
-            self.elector = LeaderElector(self._kube_api, election,
-                                         on_change=lambda _leader: self._update_health())
-
-    async def _update_health(self) -> None:
-        serving = health_pb2.HealthCheckResponse.SERVING
-        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
-        ready_now = (not self.draining and self.store.synced
-                     and (self.k8s_source is None or self.k8s_source.ready)
-                     and (self.elector is None or self.elector.is_leader))
-        ready = serving if ready_now else not_serving
-        await self._health.set(keys.HEALTH_LIVENESS, serving)
-        await self._health.set(keys.HEALTH_READINESS, ready)
-        await self._health.set(keys.HEALTH_EXT_PROC, ready)
-        await self._health.set("", ready)
+        core_server = CoreServer(parts.core, parts.stream_ended)
+        stack.push_async_callback(core_server.stop)  # also removes its socket directory
+        await core_server.start()
+        pool = FrontPool(parts.plan.workers, front_argv(
+            core_socket=core_server.path, grpc_port=grpc_port, bind_address=address,
+            max_body=o.limits.max_request_body_bytes, max_headers=o.limits.max_request_headers,
+            secure_serving=o.tls.secure_serving, cert_path=o.tls.cert_path,
+            drain_timeout=o.drain.timeout_s, drain_quiet=o.drain.quiet_period_s,
+            log_level=o.observability.log_level))
+        fronts = FrontProcesses(core_server, pool)
+        # Entered before the processes start: one that started is stopped even if the
+        # next one fails to.
+        stack.push_async_callback(lambda: fronts.stop(self._grace))
+        await pool.start()
+        await fronts.wait_ready(address, grpc_port)
+        return fronts
 
     async def drain(self, timeout: float, quiet: float, stop_now: asyncio.Event) -> None:
         """The first step of a graceful shutdown (epp/server/drain.py); :meth:`stop` follows.
@@ -470,18 +262,13 @@ class EppServer:
         drains its own streams and exits; this returns once all have exited. Setting
         ``stop_now`` ends it at once.
         """
-        self.draining = True
-        await self._update_health()
+        running = self.running
+        await running.parts.health.start_draining()
         release: asyncio.Future[None] | None = None
-        if self.elector is not None:
-            elector, self.elector = self.elector, None
-            release = asyncio.ensure_future(elector.stop())
+        if running.release_lease is not None:
+            release = asyncio.ensure_future(running.release_lease())
         try:
-            if self._fronts is not None:
-                await self._drain_fronts(timeout, quiet, stop_now)
-            elif self._grpc is not None:
-                await drain_server(self._grpc, self.tracker, timeout, quiet, stop_now)
-                self._grpc = None
+            await running.ext_proc.drain(timeout, quiet, stop_now)
         finally:
             if release is not None:
                 try:
@@ -489,70 +276,33 @@ class EppServer:
                 except Exception:
                     log.exception("releasing the leader Lease failed")
 
-    async def _drain_fronts(self, timeout: float, quiet: float, stop_now: asyncio.Event) -> None:
-        assert self._fronts is not None and self._core_server is not None
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        running = self._fronts.running()
-        log.info("drain started: %d ext_proc workers keep serving for up to %.1fs (less once "
-                 "none has a stream in flight for %.1fs); each logs its own counts", running,
-                 timeout, quiet)
-        # Workers that got the signal themselves (a process-group signal) already drain;
-        # the message is for those that did not (a signal to this process alone).
-        self._core_server.broadcast(["T", timeout, quiet])
-        # Each worker ends its drain by its deadline; the margin covers its stop and exit.
-        await self._fronts.wait_exited(timeout + 2.0, stop_now)
-        if stop_now.is_set():
-            self._core_server.broadcast(["S", None])
-            await self._fronts.wait_exited(2.0)
-        left = self._fronts.running()
-        log.log(logging.WARNING if left else logging.INFO,
-                "drain finished after %.1fs: %d of %d ext_proc workers exited%s",
-                loop.time() - start, running - left, running,
-                f", {left} still running are stopped now" if left else "")
-
     async def stop(self, grace: float = 5.0) -> None:
         """Stop accepting streams, let running ones finish for ``grace`` seconds, close all.
 
         After :meth:`drain` there is nothing left to wait for. Called directly it is the
-        immediate shutdown (no drain window)."""
-        if self.elector is not None:
-            await self.elector.stop()  # releases the Lease: a standby takes over at once
-            self.elector = None
-        if self.k8s_source is not None:
-            await self.k8s_source.stop()
-            self.k8s_source = None
-        if self._kube_api is not None:
-            await self._kube_api.close()
-            self._kube_api = None
-        if self._static_file is not None:
-            await self._static_file.stop()
-        if self.scraper is not None:
-            await self.scraper.stop()
-            self.scraper = None
-        if self._fronts is not None:
-            if self._core_server is not None:
-                self._core_server.broadcast(["S", grace])
-            await self._fronts.stop(grace)
-            self._fronts = None
-        if self._core_server is not None:
-            await self._core_server.stop()
-            self._core_server = None
-        for server in (self._grpc, self._health_server):
-            if server is not None:
-                await server.stop(grace)
-        self._grpc = self._health_server = None
-        if self._metrics_runner is not None:
-            await self._metrics_runner.cleanup()
-            self._metrics_runner = None
-        if self.tracing is not None:
-            self.tracing.shutdown()  # flushes spans still queued for export
-            self.tracing = None
+        immediate shutdown (no drain window). Unwinds what :meth:`start` started, in
+        reverse order; a second call does nothing."""
+        self._grace = grace
+        stack, self._stack = self._stack, AsyncExitStack()
+        await stack.aclose()
+
+
+def _once(step: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
+    """``step`` the first time it is called; later calls do nothing."""
+    done = False
+
+    async def run() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            await step()
+
+    return run
 
 
 async def serve_forever(options: ServeOptions, stop_event: asyncio.Event,
                         stop_now: asyncio.Event | None = None) -> None:
-    """Start, serve until ``stop_event``, drain (up to ``options.drain_timeout_s``), stop.
+    """Start, serve until ``stop_event``, drain (up to ``options.drain.timeout_s``), stop.
 
     ``stop_now`` (a second SIGTERM/SIGINT) cuts the drain short."""
     server = EppServer(options)
@@ -560,7 +310,7 @@ async def serve_forever(options: ServeOptions, stop_event: asyncio.Event,
     stop_now = stop_now if stop_now is not None else asyncio.Event()
     try:
         await stop_event.wait()
-        await server.drain(options.drain_timeout_s, options.drain_quiet_s, stop_now)
+        await server.drain(options.drain.timeout_s, options.drain.quiet_period_s, stop_now)
     finally:
         log.info("shutting down")
         await server.stop(0)

@@ -63,13 +63,14 @@ class StreamTracker:
             self.idle.set()
 
 
-class TrackedExtProc(pb_grpc.ExternalProcessorServicer):
+class TrackedExtProc:
     """An ExternalProcessor servicer that counts the streams of the one it wraps.
 
     Every stream is counted from the moment the handler starts until it returns, raises
     or is cancelled. The wrapped servicer uses grpc.aio's read()/write() API (its
     ``Process`` is a coroutine), so its own clean-up has run when the stream counts as
-    ended.
+    ended. The generated registration only calls ``Process``: no need to subclass the
+    generated (untyped) base class.
     """
 
     def __init__(self, inner: pb_grpc.ExternalProcessorServicer, tracker: StreamTracker) -> None:

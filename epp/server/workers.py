@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -66,6 +67,7 @@ from epp.server.drain import (
     install_shutdown_signals,
     stop_server,
 )
+from epp.server.listeners import StartupError
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +196,29 @@ def check_port_free(address: str, port: int) -> None:
         s.bind((address, port))
 
 
+async def wait_port(host: str, port: int, timeout: float) -> None:
+    """Until a TCP connection to ``host:port`` succeeds (tried every 20 ms); TimeoutError
+    when none has within ``timeout`` seconds. The probe connection is closed at once."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    last_error: OSError | None = None
+    while True:
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port),
+                                               timeout=max(0.05, deadline - loop.time()))
+        except (TimeoutError, OSError) as e:
+            last_error = e if isinstance(e, OSError) else None
+        else:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+            return
+        if loop.time() >= deadline:
+            raise TimeoutError(f"{host}:{port} did not accept connections within {timeout}s"
+                               + (f" (last error: {last_error})" if last_error else ""))
+        await asyncio.sleep(0.02)
+
+
 class FrontPool:
     """Spawns and supervises the front processes."""
 
@@ -239,6 +264,65 @@ class FrontPool:
             if p.returncode is None:
                 p.kill()
                 await p.wait()
+
+
+class FrontProcesses:
+    """``--workers N`` on the core's side, once started: the core socket's server and the
+    front processes. Serves the ext_proc port as the drain sees it
+    (:class:`~epp.server.listeners.ExtProcPort`)."""
+
+    def __init__(self, server: CoreServer, pool: FrontPool) -> None:
+        self.server = server
+        self.pool = pool
+
+    async def wait_ready(self, address: str, port: int, timeout: float = 30.0) -> None:
+        """Until every front has connected and the ext_proc port answers.
+
+        :class:`StartupError` when a front exits first or they do not all connect within
+        ``timeout``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        n = self.pool.n
+        while self.server.fronts < n:
+            if self.pool.exited():
+                raise StartupError(f"an ext_proc worker process exited with status "
+                                   f"{self.pool.exited()[0]} at startup (see its log above)")
+            if loop.time() > deadline:
+                raise StartupError(f"only {self.server.fronts} of {n} ext_proc workers "
+                                   f"connected within {timeout:g}s")
+            await asyncio.sleep(0.05)
+        # A front connects before its gRPC server starts; wait until the port answers.
+        await wait_port("127.0.0.1" if address in ("0.0.0.0", "::") else address, port,
+                        timeout=timeout)
+
+    async def drain(self, timeout: float, quiet: float, stop_now: asyncio.Event) -> None:
+        """Each front drains its own streams (as one process does) and exits; returns once
+        all have exited (or at ``timeout`` plus a margin; ``stop_now`` cuts it short)."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        running = self.pool.running()
+        log.info("drain started: %d ext_proc workers keep serving for up to %.1fs (less once "
+                 "none has a stream in flight for %.1fs); each logs its own counts", running,
+                 timeout, quiet)
+        # Workers that got the signal themselves (a process-group signal) already drain;
+        # the message is for those that did not (a signal to this process alone).
+        self.server.broadcast(["T", timeout, quiet])
+        # Each worker ends its drain by its deadline; the margin covers its stop and exit.
+        await self.pool.wait_exited(timeout + 2.0, stop_now)
+        if stop_now.is_set():
+            self.server.broadcast(["S", None])
+            await self.pool.wait_exited(2.0)
+        left = self.pool.running()
+        log.log(logging.WARNING if left else logging.INFO,
+                "drain finished after %.1fs: %d of %d ext_proc workers exited%s",
+                loop.time() - start, running - left, running,
+                f", {left} still running are stopped now" if left else "")
+
+    async def stop(self, grace: float) -> None:
+        """Tell the fronts to stop (running streams get ``grace`` seconds); SIGKILL those
+        still running after ``grace`` + 2 s."""
+        self.server.broadcast(["S", grace])
+        await self.pool.stop(grace)
 
 
 # ---------------------------------------------------------------------------- front side

@@ -14,12 +14,16 @@ _DISTANCES: Final = ("node", "rack", "block", "zone", "other")  # epp.sim.topolo
 
 __all__ = [
     "DEFAULT_KV_TRANSFER_BY_LEVEL",
+    "DEFAULT_MODEL",
     "PREFILL_FAILURE_MODES",
     "ROLES",
     "PrefillFailure",
     "Role",
     "SimConfig",
 ]
+
+DEFAULT_MODEL: Final = "sim-model"
+"""The base model a simulated pod serves unless told otherwise (``epp sim --model``)."""
 
 Role = Literal["both", "prefill", "decode"]
 ROLES: Final[tuple[Role, ...]] = ("both", "prefill", "decode")

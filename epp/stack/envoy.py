@@ -14,10 +14,10 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from string import Template
-from collections.abc import Sequence
 from typing import Final, Self
 
 import aiohttp

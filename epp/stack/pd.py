@@ -1,6 +1,7 @@
 """The local P/D stack: prefill and decode `epp sim` pods in racks, the EPP, real Envoy.
 
-Used by ``epp demo --pd``, the P/D integration tests and ``bench/pd.py``.
+Used by ``epp demo --pd`` (:mod:`epp.stack.demo`), the P/D integration tests,
+``bench/pd.py`` and ``deploy/grafana/render.py``.
 
 :func:`grove_layout` describes pods the way a Grove PodCliqueSet places them: one
 PodCliqueSet replica per rack (the gang scheduler packs a replica into a rack), each with
@@ -19,11 +20,9 @@ options, ``epp serve`` over the endpoints file, and Envoy in front; everything o
 
 from __future__ import annotations
 
-import asyncio
-import math
 import sys
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +36,7 @@ from epp.stack.envoy import DEFAULT_RESPONSE_PATH, EnvoyProcess, render_envoy_co
 from epp.stack.procs import ManagedProcess, free_port, wait_port
 
 __all__ = [
+    "MODEL",
     "PD_SIM_ARGS",
     "PairStats",
     "PdLayout",
@@ -322,111 +322,7 @@ class PdStack:
                 out[kind] = out.get(kind, 0.0) + float(line.rsplit(" ", 1)[1])
         return out
 
-    async def debug_requests(self, session: aiohttp.ClientSession,
-                             pods: Iterable[PdPod]) -> dict[str, list[dict[str, Any]]]:
-        """``/debug/requests`` of each pod, by ``address:port``."""
-        out = {}
-        for p in pods:
-            async with session.get(f"http://{p.key}/debug/requests") as r:
-                out[p.key] = await r.json()
-        return out
-
     async def clear_debug(self, session: aiohttp.ClientSession) -> None:
         for p in self.layout.pods:
             async with session.delete(f"http://{p.key}/debug/requests") as r:
                 assert r.status in (200, 204)
-
-
-async def wait_for_scrapes(seconds: float = 0.5) -> None:
-    """Give the EPP's scraper time to see the pods (a few 50 ms intervals)."""
-    await asyncio.sleep(seconds)
-
-
-# ---------------------------------------------------------------- `epp demo --pd`
-
-
-def pd_summary(layout: PdLayout, stats: PairStats, decisions: Mapping[str, float]) -> str:
-    """The P/D part of the demo's summary: decisions, pairing distance, prefill shares."""
-    dist = ", ".join(f"{d} {stats.by_distance[d]}"
-                     for d in ("node", "rack", "block", "zone", "other", "unknown")
-                     if stats.by_distance[d])
-    share = stats.same_rack_share
-    lines = [
-        "",
-        "P/D pairing (per request: the decode pod first, then a prefill pod for it)",
-        (f"  EPP decisions            disaggregated {decisions.get('disaggregated', 0):.0f}, "
-         f"decode-only {decisions.get('decode-only', 0):.0f}"),
-        f"  remote prefills          {stats.remote_prefills}  ({dist or 'none'})",
-        f"  same-rack pairs          {'-' if math.isnan(share) else f'{100 * share:.1f}%'}",
-        (f"  prefill failures         {stats.prefill_failures} (fallbacks to a local prefill: "
-         f"{stats.fallbacks})"),
-    ]
-    total = sum(stats.by_prefiller.values())
-    for p in layout.by_role("prefill"):
-        c = stats.by_prefiller.get(p.key, 0)
-        pct = 100 * c / total if total else 0.0
-        lines.append(f"  prefill {p.name:<16} {p.rack:<7} {c:5d}  {pct:5.1f}%  "
-                     f"{'#' * round(pct / 2.5)}")
-    return "\n".join(lines)
-
-
-async def pd_demo(args: Any) -> int:
-    """``epp demo --pd``: two racks of 2 prefill + 2 decode simulated pods with Grove
-    labels and node topology, the EPP with config/pd-grove.yaml, Envoy; a chat workload,
-    then the summary with the share of same-rack pairs."""
-    import shlex
-    import tempfile
-
-    from epp.bench.runner import run
-    from epp.bench.workload import Workload, WorkloadSpec
-    from epp.stack.demo import _progress, summary
-
-    workdir = Path(tempfile.mkdtemp(prefix="epp-demo-pd-"))
-    extra = tuple(shlex.split(args.sim_args or ""))
-    layout = grove_layout(sim_args={r: (*a, *extra) for r, a in PD_SIM_ARGS.items()})
-    config = Path(args.config_file).resolve() if args.config_file else repo_config(
-        "pd-grove.yaml")
-    if not config.is_file():
-        print(f"epp demo --pd: config file {config} not found (give --config-file)",
-              file=sys.stderr)
-        return 1
-    print(f"epp demo --pd: logs in {workdir}")
-    stack = PdStack(workdir, layout, config_file=config, body_mode=args.body_mode,
-                    response_path=getattr(args, "response_path", DEFAULT_RESPONSE_PATH))
-    try:
-        await stack.start()
-    except RuntimeError as e:
-        print(str(e), file=sys.stderr)
-        return 1
-    try:
-        print(f"gateway  {stack.url}  (Envoy → EPP ext_proc {args.body_mode}, response "
-              f"{stack.response_path} → decode pod → its prefill pod)")
-        print(f"epp      metrics {stack.metrics_url}  config {config}")
-        print(f"pods     endpoints file {stack.epp_file} (Grove labels, node topology)")
-        for p in layout.pods:
-            print(f"  {p.role:<8} {p.name:<16} {p.key:<16} {p.rack}  node {p.node}")
-        spec = WorkloadSpec(seed=args.seed)
-        print(f"\nworkload: {spec.system_prompts} shared system prompts "
-              f"(~{spec.system_prompt_words} words), {spec.turns_per_conversation}-turn "
-              f"conversations, {args.concurrency} concurrent users, up to "
-              f"{args.duration:g}s or {args.requests} requests")
-        label = "EPP P/D"
-        print(f"\n{label}:", flush=True)
-        rep = await run(stack.url, Workload(spec, MODEL), label=label,
-                        concurrency=args.concurrency, max_requests=args.requests,
-                        duration_s=args.duration, progress=_progress)
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
-            stats = await stack.pair_stats(session)
-            decisions = await stack.decisions(session)
-        decode_names = [f"sim-{p.port}" for p in layout.by_role("decode")]
-        print(summary([rep], {label: decode_names}), flush=True)
-        print(pd_summary(layout, stats, decisions), flush=True)
-        if args.keep_running:
-            print(f"\nThe stack keeps running. Try:\n  curl {stack.url}/v1/chat/completions "
-                  "-H 'content-type: application/json' -d '{\"model\":\"" + MODEL + "\","
-                  "\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}'\nCtrl-C to stop.",
-                  flush=True)
-            await asyncio.Event().wait()
-        return 0 if rep.ok and len(rep.ok) == len(rep.results) else 1
-    finally:
-        await stack.stop()

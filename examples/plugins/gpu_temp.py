@@ -16,21 +16,40 @@ endpoints without a readable temperature score ``unknownScore``.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-from epp.config.params import Params
-from epp.config.registry import PluginHandle
-from epp.errors import ConfigError
+from epp.framework.handle import PluginHandle
+from epp.framework.params import ParameterError, param
 from epp.scheduling.types import CycleState, Endpoint, LLMRequest
 
 DEFAULT_LABEL = "example.com/gpu-temp-celsius"
 
 
+@dataclass(frozen=True)
+class GpuTempParameters:
+    """One field per config key: its key, default and bounds. The EPP decodes and checks
+    them (type, range, unknown keys) with the key's path in every error."""
+
+    label: str = param("label", DEFAULT_LABEL)
+    cool: float = param("coolCelsius", 60.0)
+    hot: float = param("hotCelsius", 85.0)
+    unknown: float = param("unknownScore", 0.5, minimum=0.0, maximum=1.0)
+
+    def __post_init__(self) -> None:
+        # Checks across fields: ParameterError names the key at fault.
+        if not self.hot > self.cool:
+            raise ParameterError("hotCelsius", f"must be above coolCelsius ({self.cool:g}), "
+                                 f"got {self.hot:g}")
+
+
 class GpuTempScorer:
-    """Cooler GPUs score higher. A plugin needs ``type_name``, ``name``, a ``from_params``
-    classmethod, and the method of its extension point (here ``score``)."""
+    """Cooler GPUs score higher. A plugin needs ``type_name``, ``name``, its ``Parameters``
+    dataclass, a ``from_params`` classmethod, and the method of its extension point (here
+    ``score``)."""
 
     type_name = "gpu-temp-scorer"
+    Parameters = GpuTempParameters
 
     def __init__(self, name: str, label: str = DEFAULT_LABEL,
                  cool: float = 60.0, hot: float = 85.0, unknown: float = 0.5) -> None:
@@ -41,18 +60,11 @@ class GpuTempScorer:
         self.unknown = unknown
 
     @classmethod
-    def from_params(cls, name: str, params: Params, handle: PluginHandle) -> "GpuTempScorer":
-        """Read every parameter through ``params`` (typed, with the path in errors), then
-        ``params.done()`` rejects any key not read — a typo fails at startup."""
-        label = params.str("label", DEFAULT_LABEL) or DEFAULT_LABEL
-        cool = params.float("coolCelsius", 60.0)
-        hot = params.float("hotCelsius", 85.0)
-        unknown = params.float("unknownScore", 0.5, minimum=0.0, maximum=1.0)
-        if not hot > cool:
-            raise ConfigError(f"{params.path}.hotCelsius: must be above coolCelsius "
-                              f"({cool:g}), got {hot:g}")
-        params.done()
-        return cls(name, label, cool, hot, unknown)
+    def from_params(cls, name: str, params: GpuTempParameters,
+                    handle: PluginHandle) -> GpuTempScorer:
+        """Build from decoded, validated parameters; ``handle`` finds other plugins."""
+        return cls(name, params.label or DEFAULT_LABEL, params.cool, params.hot,
+                   params.unknown)
 
     def temperature(self, e: Endpoint) -> float | None:
         raw = e.labels.get(self.label) or e.node_labels.get(self.label)

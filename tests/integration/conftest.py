@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator
 
 import aiohttp
 import pytest
@@ -117,7 +117,7 @@ class Epp:
             text = await r.text()
         total = 0.0
         for line in text.splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
+            if line.startswith((name + " ", name + "{")):
                 total += float(line.rsplit(" ", 1)[1])
         return total
 

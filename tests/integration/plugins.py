@@ -9,7 +9,8 @@ the EPP chose and can check that this upstream, and only it, saw the request.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from epp.scheduling.types import CycleState, Endpoint, LLMRequest
 
@@ -21,7 +22,7 @@ class _Base:
         self.name = name
 
     @classmethod
-    def from_params(cls, name: str, params: Any, handle: Any) -> "_Base":
+    def from_params(cls, name: str, params: Any, handle: Any) -> _Base:
         params.done()
         return cls(name)
 

@@ -9,8 +9,8 @@ exactly once). Each case names what it sends and what the client must see.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 import aiohttp
 import orjson
@@ -280,7 +280,7 @@ async def test_raw_http_garbage_and_client_aborts(bstack: Stack,
         if read:
             try:
                 out = await asyncio.wait_for(reader.read(4096), timeout=5)
-            except (asyncio.TimeoutError, ConnectionError):
+            except (TimeoutError, ConnectionError):
                 pass
         writer.close()
         return out

@@ -16,7 +16,6 @@ a series it reads. docs/observability.md must list every exported family.
 from __future__ import annotations
 
 import asyncio
-
 import json
 import re
 import shutil

@@ -415,12 +415,12 @@ async def test_observer_path_client_gone_mid_stream_is_aborted(
     try:
         body = orjson.dumps({"model": "sim-model", "stream": True, "max_tokens": 400,
                              "messages": [{"role": "user", "content": "a long story"}]})
-        async with aiohttp.ClientSession() as own:
-            async with own.post(s.url + "/v1/chat/completions", data=body,
-                                headers={"content-type": "application/json"}) as r:
-                assert r.status == 200
-                await r.content.readany()  # the first events, then hang up
-                r.close()
+        async with aiohttp.ClientSession() as own, \
+                own.post(s.url + "/v1/chat/completions", data=body,
+                         headers={"content-type": "application/json"}) as r:
+            assert r.status == 200
+            await r.content.readany()  # the first events, then hang up
+            r.close()
 
         async def aborted() -> bool:
             n = await s.epp.metric(session, 'epp_extproc_streams_total{outcome="aborted"}')

@@ -6,10 +6,11 @@ the registry's import-path mechanism; the other classes exercise its error paths
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from epp.config.params import Params
-from epp.config.registry import PluginHandle
+from epp.framework.handle import PluginHandle
+from epp.framework.params import Params
 from epp.scheduling.types import CycleState, Endpoint, LLMRequest, SchedulingResult
 
 
@@ -24,7 +25,7 @@ class ConstantScorer:
         self.calls = 0
 
     @classmethod
-    def from_params(cls, name: str, params: Params, handle: PluginHandle) -> "ConstantScorer":
+    def from_params(cls, name: str, params: Params, handle: PluginHandle) -> ConstantScorer:
         value = params.float("value", 0.5, minimum=0.0, maximum=1.0)
         params.done()
         return cls(name, value)
@@ -63,7 +64,7 @@ class PreRequestOnly:
         self.seen: list[str] = []
 
     @classmethod
-    def from_params(cls, name: str, params: Params, handle: PluginHandle) -> "PreRequestOnly":
+    def from_params(cls, name: str, params: Params, handle: PluginHandle) -> PreRequestOnly:
         params.done()
         return cls(name)
 

@@ -15,7 +15,6 @@ from aiohttp.test_utils import TestServer
 
 from epp.bench import quality
 from epp.bench.ceiling import POLICIES, ceiling, replay
-from epp.bench.runner import Result, stream_chat
 from epp.bench.traces import (
     WORKLOADS,
     HotSpotSpec,
@@ -29,8 +28,9 @@ from epp.bench.traces import (
     default_shape,
     make_trace,
 )
+from epp.sim.app import build_app
 from epp.sim.config import SimConfig
-from epp.sim.server import build_app
+from epp.stack.runner import Result, stream_chat
 
 SMALL = default_shape(smoke=True)
 
@@ -215,7 +215,7 @@ async def test_replay_matches_the_simulator_exactly() -> None:
 def _sample(i: int, ttft: float, server: str = "sim-1", status: int = 200, prompt: int = 100,
             cached: int = 50, kind: str = "hot-spot") -> quality.Sample:
     return quality.Sample(i, kind, float(i), Result(status, server, ttft, ttft * 2, prompt,
-                                                    cached, "" if status == 200 else ""))
+                                                    cached, ""))
 
 
 def test_quantile_nearest_rank() -> None:

@@ -13,10 +13,10 @@ import pytest
 
 from epp import keys
 from epp.config.loader import BuiltConfig, build, parse_config
-from epp.config.params import Params
-from epp.config.registry import PluginHandle, default_registry
 from epp.errors import ConfigError
-from epp.scheduling.interfaces import Filter, ResponseHeaders, SaturationDetector, Scorer
+from epp.framework.handle import PluginHandle
+from epp.framework.interfaces import Filter, ResponseHeaders, SaturationDetector, Scorer
+from epp.scheduling.plugins.catalog import default_registry
 from epp.scheduling.plugins.filters import ByLabelSelectorFilter, LabelSelectorFilter
 from epp.scheduling.plugins.load import (
     ActiveRequestScorer,
@@ -43,8 +43,8 @@ from epp.scheduling.types import (
     LLMRequest,
     Metrics,
     ProfileRunResult,
-    ScoredEndpoint,
     SchedulingResult,
+    ScoredEndpoint,
 )
 
 SRC = "catalog.yaml"
@@ -72,8 +72,8 @@ def result(*endpoints: Endpoint, prefill: Endpoint | None = None) -> SchedulingR
 
 def make(type_name: str, params: dict[str, Any] | None = None, name: str | None = None) -> Any:
     """Build one plugin through the registry, as the loader does."""
-    factory = default_registry().factory(type_name, "t")
-    return factory(name or type_name, Params(params, "plugins[0].parameters"), PluginHandle())
+    build = default_registry().builder(type_name, "t")
+    return build(name or type_name, params, "plugins[0].parameters", PluginHandle())
 
 
 def build_text(text: str) -> BuiltConfig:

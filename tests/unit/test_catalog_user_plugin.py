@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
 from epp.config.loader import build, load_and_build, parse_config
 from epp.errors import ConfigError
-from epp.scheduling.interfaces import Scorer
+from epp.framework.interfaces import Scorer
 from epp.scheduling.types import ApiType, CycleState, Endpoint, LLMRequest
 
 REPO = Path(__file__).resolve().parents[2]

@@ -17,9 +17,11 @@ from epp.config.loader import (
     load_config_file,
     parse_config,
 )
-from epp.config.params import Params, parse_duration
-from epp.config.registry import PluginHandle, Registry, default_registry
 from epp.errors import ConfigError
+from epp.framework.handle import PluginHandle
+from epp.framework.params import Params, parse_duration
+from epp.framework.registry import Registry
+from epp.scheduling.plugins.catalog import default_registry
 from epp.scheduling.plugins.handlers import SingleProfileHandler
 from epp.scheduling.plugins.pickers import MaxScorePicker, RandomPicker
 from epp.scheduling.plugins.scorers import KVCacheUtilizationScorer, QueueScorer
@@ -502,8 +504,8 @@ ERROR_CASES = [
      ["schedulingProfiles[0]: expected a mapping, got str"]),
     ("profile-unknown-key", "schedulingProfiles: [{name: p, scorers: []}]\n",
      ["schedulingProfiles[0]: unknown key(s) 'scorers'"]),
-    ("profile-missing-name", "plugins: [{type: queue-scorer}]\n"
-     "schedulingProfiles: [{plugins: [{pluginRef: queue-scorer}]}]\n",
+    ("profile-missing-name", ("plugins: [{type: queue-scorer}]\n"
+     "schedulingProfiles: [{plugins: [{pluginRef: queue-scorer}]}]\n"),
      ["schedulingProfiles[0]: missing 'name'"]),
     ("profile-empty-name", "schedulingProfiles: [{name: ''}]\n",
      ["schedulingProfiles[0].name: expected a non-empty string"]),
@@ -511,53 +513,53 @@ ERROR_CASES = [
      ["schedulingProfiles[2].name: duplicate profile name 'p'"]),
     ("profile-plugins-not-list", "schedulingProfiles: [{name: p, plugins: queue-scorer}]\n",
      ["schedulingProfiles[0].plugins: expected a list, got str"]),
-    ("ref-not-mapping", "plugins: [{type: queue-scorer}]\n"
-     "schedulingProfiles: [{name: p, plugins: [queue-scorer]}]\n",
+    ("ref-not-mapping", ("plugins: [{type: queue-scorer}]\n"
+     "schedulingProfiles: [{name: p, plugins: [queue-scorer]}]\n"),
      ["schedulingProfiles[0].plugins[0]: expected a mapping, got str"]),
-    ("ref-unknown-key", "plugins: [{type: queue-scorer}]\n"
-     "schedulingProfiles: [{name: p, plugins: [{pluginRef: queue-scorer, wieght: 2}]}]\n",
+    ("ref-unknown-key", ("plugins: [{type: queue-scorer}]\n"
+     "schedulingProfiles: [{name: p, plugins: [{pluginRef: queue-scorer, wieght: 2}]}]\n"),
      ["schedulingProfiles[0].plugins[0]: unknown key(s) 'wieght'", "allowed: pluginRef, weight"]),
-    ("ref-missing-plugin-ref", "plugins: [{type: queue-scorer}]\n"
-     "schedulingProfiles: [{name: p, plugins: [{weight: 2}]}]\n",
+    ("ref-missing-plugin-ref", ("plugins: [{type: queue-scorer}]\n"
+     "schedulingProfiles: [{name: p, plugins: [{weight: 2}]}]\n"),
      ["schedulingProfiles[0].plugins[0]: missing 'pluginRef'"]),
-    ("undeclared-plugin-ref", "plugins: [{type: queue-scorer}, {type: max-score-picker}]\n"
-     "schedulingProfiles: [{name: p, plugins: [{pluginRef: queue-scorer}, {pluginRef: nope}]}]\n",
+    ("undeclared-plugin-ref", ("plugins: [{type: queue-scorer}, {type: max-score-picker}]\n"
+     "schedulingProfiles: [{name: p, plugins: [{pluginRef: queue-scorer}, {pluginRef: nope}]}]\n"),
      ["schedulingProfiles[0].plugins[1].pluginRef: no plugin named 'nope' in 'plugins'",
       "declared: max-score-picker, queue-scorer"]),
     ("undeclared-plugin-ref-none-declared",
      "schedulingProfiles: [{name: p, plugins: [{pluginRef: nope}]}]\n",
      ["schedulingProfiles[0].plugins[0].pluginRef: no plugin named 'nope'", "declared: none"]),
-    ("weight-on-non-scorer", "plugins: [{type: queue-scorer}, {type: max-score-picker}]\n"
+    ("weight-on-non-scorer", ("plugins: [{type: queue-scorer}, {type: max-score-picker}]\n"
      "schedulingProfiles: [{name: p, plugins: [{pluginRef: queue-scorer},"
-     " {pluginRef: max-score-picker, weight: 2}]}]\n",
+     " {pluginRef: max-score-picker, weight: 2}]}]\n"),
      ["schedulingProfiles[0].plugins[1].weight: 'max-score-picker' is not a scorer"]),
-    ("negative-weight", "plugins: [{type: queue-scorer}]\n"
-     "schedulingProfiles: [{name: p, plugins: [{pluginRef: queue-scorer, weight: -1}]}]\n",
+    ("negative-weight", ("plugins: [{type: queue-scorer}]\n"
+     "schedulingProfiles: [{name: p, plugins: [{pluginRef: queue-scorer, weight: -1}]}]\n"),
      ["schedulingProfiles[0].plugins[0].weight: expected a number >= 0, got -1"]),
-    ("string-weight", "plugins: [{type: queue-scorer}]\n"
-     "schedulingProfiles: [{name: p, plugins: [{pluginRef: queue-scorer, weight: heavy}]}]\n",
+    ("string-weight", ("plugins: [{type: queue-scorer}]\n"
+     "schedulingProfiles: [{name: p, plugins: [{pluginRef: queue-scorer, weight: heavy}]}]\n"),
      ["schedulingProfiles[0].plugins[0].weight: expected a number >= 0, got 'heavy'"]),
-    ("bool-weight", "plugins: [{type: queue-scorer}]\n"
-     "schedulingProfiles: [{name: p, plugins: [{pluginRef: queue-scorer, weight: true}]}]\n",
+    ("bool-weight", ("plugins: [{type: queue-scorer}]\n"
+     "schedulingProfiles: [{name: p, plugins: [{pluginRef: queue-scorer, weight: true}]}]\n"),
      ["schedulingProfiles[0].plugins[0].weight: expected a number >= 0, got True"]),
     ("two-pickers",
-     "plugins: [{type: queue-scorer}, {type: max-score-picker}, {type: random-picker}]\n"
+     ("plugins: [{type: queue-scorer}, {type: max-score-picker}, {type: random-picker}]\n"
      "schedulingProfiles: [{name: p, plugins: [{pluginRef: max-score-picker},"
-     " {pluginRef: queue-scorer}, {pluginRef: random-picker}]}]\n",
-     ["schedulingProfiles[0].plugins[2]: profile 'p' has two pickers "
-      "('max-score-picker', 'random-picker')"]),
+     " {pluginRef: queue-scorer}, {pluginRef: random-picker}]}]\n"),
+     [("schedulingProfiles[0].plugins[2]: profile 'p' has two pickers "
+      "('max-score-picker', 'random-picker')")]),
     ("two-pickers-no-profiles", "plugins: [{type: max-score-picker}, {type: random-picker}]\n",
      ["plugins: profile 'default' has two pickers"]),
-    ("two-profiles-without-handler", "plugins: [{type: queue-scorer}]\n"
+    ("two-profiles-without-handler", ("plugins: [{type: queue-scorer}]\n"
      "schedulingProfiles: [{name: a, plugins: [{pluginRef: queue-scorer}]},"
-     " {name: b, plugins: [{pluginRef: queue-scorer}]}]\n",
+     " {name: b, plugins: [{pluginRef: queue-scorer}]}]\n"),
      ["plugins: 2 scheduling profiles need a profile handler"]),
     ("two-profile-handlers",
      "plugins: [{type: single-profile-handler, name: h1}, {type: single-profile-handler, name: h2}]\n",
      ["plugins: more than one profile handler declared: h1, h2"]),
     # -------- saturationDetector
-    ("saturation-detector-non-detector", "plugins: [{type: queue-scorer}]\n"
-     "saturationDetector: {pluginRef: queue-scorer}\n",
+    ("saturation-detector-non-detector", ("plugins: [{type: queue-scorer}]\n"
+     "saturationDetector: {pluginRef: queue-scorer}\n"),
      ["saturationDetector: 'queue-scorer' is not a saturation detector"]),
     ("saturation-detector-undeclared", "saturationDetector: {pluginRef: detector}\n",
      ["saturationDetector.pluginRef: no plugin named 'detector'"]),
@@ -662,15 +664,15 @@ def test_registry_unknown_type_message() -> None:
     reg = Registry()
     reg.register_class(QueueScorer)
     with pytest.raises(ConfigError) as info:
-        reg.factory("nope", "f.yaml: plugins[3].type")
+        reg.builder("nope", "f.yaml: plugins[3].type")
     msg = str(info.value)
     assert msg.startswith("f.yaml: plugins[3].type: unknown plugin type 'nope'")
     assert "known types: queue-scorer" in msg
 
 
 def test_registry_import_path_returns_from_params() -> None:
-    factory = default_registry().factory(f"{FIXTURE}:ConstantScorer", "p")
-    plugin = factory("c", Params({"value": 0.75}, "p.parameters"), PluginHandle())
+    build = default_registry().builder(f"{FIXTURE}:ConstantScorer", "p")
+    plugin = build("c", {"value": 0.75}, "p.parameters", PluginHandle())
     assert isinstance(plugin, plugin_fixture.ConstantScorer)
     assert plugin.value == 0.75
 
@@ -725,8 +727,8 @@ def test_params_none_is_empty() -> None:
         (lambda p: p.int("v", 0), "a.parameters.v: expected an integer, got 'str'"),
         (lambda p: p.float("v", 0.0), "a.parameters.v: expected a number, got 'str'"),
         (lambda p: p.bool("v", False), "a.parameters.v: expected true or false, got 'str'"),
-        (lambda p: p.duration("v", 0.0), "a.parameters.v: expected a duration like '200ms' or '2s', "
-                                         "got 'str'"),
+        (lambda p: p.duration("v", 0.0), ("a.parameters.v: expected a duration like '200ms' or '2s', "
+                                         "got 'str'")),
     ],
 )
 def test_params_type_errors_on_string(call, fragment: str) -> None:  # type: ignore[no-untyped-def]

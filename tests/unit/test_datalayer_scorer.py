@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from epp.config.loader import build, parse_config
-from epp.config.params import Params
-from epp.config.registry import PluginHandle
 from epp.errors import ConfigError
+from epp.framework.handle import PluginHandle
+from epp.framework.registry import builder_for
 from epp.scheduling.plugins.scorers import RunningRequestsSizeScorer
 from epp.scheduling.types import ApiType, CycleState, Endpoint, LLMRequest, Metrics
 
@@ -48,4 +48,4 @@ def test_registered_and_parameterless() -> None:
     prof = built.scheduler.profiles["default"]
     assert [(s.type_name, w) for s, w in prof.scorers] == [("running-requests-size-scorer", 2.0)]
     with pytest.raises(ConfigError, match="unknown parameter"):
-        RunningRequestsSizeScorer.from_params("x", Params({"k": 1}, "p"), PluginHandle())
+        builder_for(RunningRequestsSizeScorer, "t")("x", {"k": 1}, "p", PluginHandle())

@@ -873,6 +873,6 @@ async def test_gateway_report_marks_unreachable_until_the_next_answer(
     await eventually(lambda: s.scrapes_ok >= 2)
     s.report_unreachable(key)
     s.report_unreachable("10.9.9.9:1")  # not an endpoint: ignored
-    s._commit()  # noqa: SLF001 (apply the staged write now, as the commit timer would)
+    s._commit()
     assert [e.key for e in store.routable()] == [f"127.0.0.1:{b.port}"]
     await eventually(lambda: len(store.routable()) == 2, what="cleared by the next scrape")

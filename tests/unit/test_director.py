@@ -188,3 +188,109 @@ async def test_subset_of_unreachable_endpoints_fails_open_within_the_hint() -> N
     for _ in range(10):
         r = await d.route(H, CHAT, True, None)
         assert r.destination != "10.0.0.2:8000"
+
+
+# ------------------------------------------------ decision observers: explain, P/D metric
+
+
+def _core(config: str | None = None, roles: list[str] | None = None,
+          **kwargs: object) -> SchedulingCore:
+    from pathlib import Path
+
+    store = Datastore()
+    roles = roles or ["decode", "decode", "prefill"]
+    store.set_endpoints(Endpoint(f"p{i}", f"10.0.0.{i}", 8000,
+                                 labels={"llm-d.ai/role": role})
+                        for i, role in enumerate(roles, 1))
+    path = None if config is None else str(
+        Path(__file__).resolve().parents[2] / "config" / config)
+    built = load_and_build(path)
+    return SchedulingCore(store, built.scheduler, EppMetrics(store), built.pre_request,
+                          built.response_complete, built.request_headers,
+                          built.response_headers, **kwargs)  # type: ignore[arg-type]
+
+
+LONG = orjson.dumps({"model": "llama",
+                     "messages": [{"role": "user", "content": "tell me more " * 400}]})
+
+
+async def test_explain_history_keeps_placed_and_unplaceable_requests() -> None:
+    from epp.errors import NoCapacity
+    from epp.observability.explain import DecisionLog
+
+    history = DecisionLog(10)
+    core = _core("pd.yaml", decisions=history)
+    d = Director(core)
+    r = await d.route(H, LONG, True, None)
+    (rec,) = history.last()
+    assert rec["destination"] == r.destination and rec["primary_profile"] == "decode"
+    assert rec["request_id"] == "r1" and rec["candidates"] == 3
+    decode = rec["profiles"]["decode"]
+    assert decode["dropped"] == {"10.0.0.3:8000": "filter decode-filter (decode-filter)"}
+    assert set(decode["scores"]) == {"queue-scorer", "kv-cache-utilization-scorer",
+                                     "prefix-cache-scorer"}
+    assert decode["picked"] == [r.destination] and decode["picker"] == "max-score-picker"
+    # The P/D handler ran the prefill profile too; its pick is named upstream.
+    assert rec["profiles"]["prefill"]["picked"] == ["10.0.0.3:8000"]
+    assert rec["headers"]["x-prefiller-host-port"] == "10.0.0.3:8000"
+    # The client did not ask for the record.
+    assert "x-epp-explain" not in r.context.response_headers
+    # Every profile filtered to nothing: 429, recorded with the error.
+    with pytest.raises(NoCapacity):
+        await d.route(H, LONG, True, ["10.0.0.3:8000"])
+    rec = history.last(1)[0]
+    assert rec["error"]["status"] == 429
+    assert rec["profiles"]["decode"]["result"] == "no endpoint left after filters"
+    assert "destination" not in rec
+    # No candidates at all: 503 before scheduling, nothing to explain.
+    with pytest.raises(ServiceUnavailable):
+        await d.route(H, LONG, True, [])
+    assert len(history.last()) == 2
+
+
+async def test_explain_header_needs_the_flag_and_the_request_header() -> None:
+    d = Director(_core(explain_header=True))
+    r = await d.route(H, CHAT, True, None)
+    assert "x-epp-explain" not in r.context.response_headers
+    r = await d.route({**H, "x-epp-explain": "true"}, CHAT, True, None)
+    rec = orjson.loads(r.context.response_headers["x-epp-explain"])
+    assert rec["destination"] == r.destination and "default" in rec["profiles"]
+    d = Director(_core())
+    r = await d.route({**H, "x-epp-explain": "true"}, CHAT, True, None)
+    assert "x-epp-explain" not in r.context.response_headers
+
+
+async def test_a_plugin_crash_is_500_counted_and_not_recorded() -> None:
+    from epp.errors import EppError
+    from epp.observability.explain import DecisionLog
+
+    history = DecisionLog(10)
+    core = _core(decisions=history)
+
+    def boom(*args: object) -> None:
+        raise RuntimeError("plugin bug")
+
+    core.scheduler.handler.pick = boom  # type: ignore[method-assign,assignment]
+    with pytest.raises(EppError) as e:
+        await Director(core).route(H, CHAT, True, None)
+    assert e.value.status == 500
+    assert core.metrics.registry.get_sample_value(
+        "inference_objective_request_error_total",
+        {"model_name": "llama", "target_model_name": "llama", "error_code": "500"}) == 1
+    assert history.last() == []
+
+
+async def test_pd_decisions_are_counted_only_for_a_classifying_handler() -> None:
+    core = _core("pd.yaml")
+    d = Director(core)
+    await d.route(H, LONG, True, None)
+    await d.route(H, CHAT, True, None)
+    reg = core.metrics.registry
+    assert reg.get_sample_value("epp_pd_decisions_total",
+                                {"decision_type": "disaggregated"}) == 1
+    assert reg.get_sample_value("epp_pd_decisions_total",
+                                {"decision_type": "decode-only"}) == 1
+    core = _core()
+    await Director(core).route(H, CHAT, True, None)
+    assert not [s for m in core.metrics.registry.collect() for s in m.samples
+                if s.name == "epp_pd_decisions_total"]

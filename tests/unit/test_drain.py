@@ -12,9 +12,15 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from epp.cli import build_parser, main
+from epp.cli import build_parser, main, serve_options
 from epp.server.app import EppServer, ServeOptions, host_port
 from epp.server.drain import StreamTracker, TrackedExtProc, drain_server
+from epp.server.options import (
+    HaOptions,
+    KubernetesSourceOptions,
+    ListenOptions,
+    ScrapingOptions,
+)
 from epp.stack.procs import free_port
 
 # What a client sees of a stream the server cancels while stopping.
@@ -150,8 +156,10 @@ def test_drain_flags_defaults_and_durations() -> None:
     a = serve()
     # No quiet period given: the whole --drain-timeout window is served (llm-d's router).
     assert a.drain_timeout == 30.0 and a.drain_quiet_period is None
+    assert serve_options(serve("--drain-timeout", "45s")).drain.quiet_period_s == 45.0
     a = serve("--drain-timeout", "45s", "--drain-quiet-period", "500ms")
     assert a.drain_timeout == 45.0 and a.drain_quiet_period == 0.5
+    assert serve_options(a).drain.quiet_period_s == 0.5
     assert serve("--drain-timeout", "0").drain_timeout == 0.0
     assert serve("--drain-timeout", "2m").drain_timeout == 120.0
     with pytest.raises(SystemExit):
@@ -172,10 +180,13 @@ def test_bind_address_flags_default_to_bind_address() -> None:
               "--grpc-health-bind-address", "::")
     assert (a.grpc_bind_address, a.grpc_health_bind_address, a.metrics_bind_address) == (
         None, "::", "127.0.0.1")
-    o = ServeOptions(bind_address="10.0.0.1", metrics_bind_address="127.0.0.1",
-                     grpc_health_bind_address="::")
+    o = serve_options(serve("--bind-address", "10.0.0.1", "--metrics-bind-address",
+                            "127.0.0.1", "--grpc-health-bind-address", "::")).listen
     assert (o.grpc_address, o.health_address, o.metrics_address) == (
         "10.0.0.1", "::", "127.0.0.1")
+    o = ListenOptions(bind_address="10.0.0.1", grpc_bind_address="127.0.0.1")
+    assert (o.grpc_address, o.health_address, o.metrics_address) == (
+        "127.0.0.1", "10.0.0.1", "10.0.0.1")
     assert host_port("::", 9003) == "[::]:9003" and host_port("10.0.0.1", 9002) == "10.0.0.1:9002"
     assert host_port("[::1]", 1) == "[::1]:1"
 
@@ -205,11 +216,14 @@ async def test_server_drain_drops_readiness_releases_the_lease_keeps_discovery(
     fake.put_pod("a", "10.0.0.1", labels=app)
     health_port, grpc_port = free_port(), free_port()
     server = EppServer(ServeOptions(
-        grpc_port=grpc_port, grpc_health_port=health_port, metrics_port=free_port(),
-        bind_address="127.0.0.1", pool_name="pool", pool_namespace="default",
-        kubeconfig=str(fake.write_kubeconfig(tmp_path / "kc")), scrape_metrics=False,
-        ha_enable_leader_election=True, ha_lease_duration_s=1.0, ha_renew_deadline_s=0.6,
-        ha_retry_period_s=0.1))
+        listen=ListenOptions(grpc_port=grpc_port, grpc_health_port=health_port,
+                             metrics_port=free_port(), bind_address="127.0.0.1"),
+        kubernetes=KubernetesSourceOptions(
+            pool_name="pool", pool_namespace="default",
+            kubeconfig=str(fake.write_kubeconfig(tmp_path / "kc"))),
+        scraping=ScrapingOptions(enabled=False),
+        ha=HaOptions(enable_leader_election=True, lease_duration_s=1.0, renew_deadline_s=0.6,
+                     retry_period_s=0.1)))
 
     async def status(port: int, service: str) -> int:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
@@ -244,7 +258,7 @@ async def test_server_drain_drops_readiness_releases_the_lease_keeps_discovery(
         lease = fake.get("leases", lease_name)
         assert lease is not None and not lease["spec"].get("holderIdentity")  # released
         # Nothing may turn readiness back on (e.g. a discovery state change).
-        await server._update_health()
+        await server.parts.health.update()
         assert await status(health_port, keys.HEALTH_READINESS) != serving
     finally:
         await server.stop(0)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import grpc
 import orjson
@@ -311,7 +312,7 @@ class Feed:
         for m in msgs:
             self.queue.put_nowait(m)
 
-    def __aiter__(self) -> "Feed":
+    def __aiter__(self) -> Feed:
         return self
 
     async def __anext__(self) -> pb.ProcessingRequest:

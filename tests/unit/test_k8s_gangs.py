@@ -69,7 +69,7 @@ async def test_lws_group_takes_traffic_only_when_complete(fake: FakeApiServer,
     fake.put_pod("g1-0-1", "10.0.1.1", labels=lws("g1", 1), annotations=SIZE3, ready=False)
     await eventually(lambda: h.keys() == ["10.0.0.2:8000", "10.0.0.3:8000"])
     fake.put_pod("g1-0-1", "10.0.1.1", labels=lws("g1", 1), annotations=SIZE3)
-    await eventually(lambda: "10.0.0.1:8000" in h.keys())
+    await eventually(lambda: "10.0.0.1:8000" in list(h.keys()))
     fake.delete("pods", "g1-0-2")
     await eventually(lambda: h.keys() == ["10.0.0.2:8000", "10.0.0.3:8000"])
     # Only one extra watch: pods carrying the group-key label.

@@ -16,11 +16,26 @@ from epp.cli import main as cli_main
 from epp.discovery.reflector import ReflectorOptions
 from epp.errors import ConfigError
 from epp.server.app import EppServer, ServeOptions
+from epp.server.options import (
+    HaOptions,
+    KubernetesSourceOptions,
+    ListenOptions,
+    ScrapingOptions,
+    StaticSourceOptions,
+    TlsOptions,
+)
 from epp.stack.procs import free_port
 from tests.k8s_fake import FakeApiServer
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 APP = {"app": "vllm"}
+NO_SCRAPING = ScrapingOptions(enabled=False)
+
+
+def _listen(**ports: int) -> ListenOptions:
+    """Free ports on 127.0.0.1 (``ports`` overrides some)."""
+    return ListenOptions(**{"grpc_port": free_port(), "grpc_health_port": free_port(),
+                            "metrics_port": free_port(), **ports}, bind_address="127.0.0.1")
 
 
 @pytest.mark.parametrize("args, message", [
@@ -79,12 +94,14 @@ async def test_server_ready_only_after_sync_and_while_leader(fake: FakeApiServer
     fake.fail_next("/api/v1/namespaces/default/pods", 500, times=3)  # a slow first sync
     health = free_port()
     server = EppServer(ServeOptions(
-        grpc_port=free_port(), grpc_health_port=health, metrics_port=free_port(),
-        bind_address="127.0.0.1", pool_name="pool", pool_namespace="default",
-        kubeconfig=str(fake.write_kubeconfig(tmp_path / "kc")), scrape_metrics=False,
-        k8s_reflector=ReflectorOptions(backoff_initial_s=0.2),
-        ha_enable_leader_election=True, ha_lease_duration_s=1.0, ha_renew_deadline_s=0.6,
-        ha_retry_period_s=0.1))
+        listen=_listen(grpc_health_port=health),
+        kubernetes=KubernetesSourceOptions(
+            pool_name="pool", pool_namespace="default",
+            kubeconfig=str(fake.write_kubeconfig(tmp_path / "kc")),
+            reflector=ReflectorOptions(backoff_initial_s=0.2)),
+        scraping=NO_SCRAPING,
+        ha=HaOptions(enable_leader_election=True, lease_duration_s=1.0, renew_deadline_s=0.6,
+                     retry_period_s=0.1)))
     await server.start()
     try:
         assert await _health(health, keys.HEALTH_LIVENESS) == SERVING
@@ -114,9 +131,11 @@ async def test_server_ready_only_after_sync_and_while_leader(fake: FakeApiServer
 async def test_standalone_needs_no_crd(fake: FakeApiServer, tmp_path: Path) -> None:
     fake.put_pod("a", "10.0.0.1", labels=APP)
     server = EppServer(ServeOptions(
-        grpc_port=free_port(), grpc_health_port=free_port(), metrics_port=free_port(),
-        bind_address="127.0.0.1", endpoint_selector="app=vllm", endpoint_target_ports="8000",
-        kubeconfig=str(fake.write_kubeconfig(tmp_path / "kc")), scrape_metrics=False))
+        listen=_listen(),
+        kubernetes=KubernetesSourceOptions(
+            endpoint_selector="app=vllm", endpoint_target_ports="8000",
+            kubeconfig=str(fake.write_kubeconfig(tmp_path / "kc"))),
+        scraping=NO_SCRAPING))
     await server.start()
     try:
         assert server.k8s_source is not None
@@ -129,7 +148,8 @@ async def test_standalone_needs_no_crd(fake: FakeApiServer, tmp_path: Path) -> N
 
 async def test_start_validates_before_connecting() -> None:
     with pytest.raises(ConfigError, match="exactly one endpoint source"):
-        await EppServer(ServeOptions(endpoints="127.0.0.1:1", pool_name="p")).start()
+        await EppServer(ServeOptions(static=StaticSourceOptions(endpoints="127.0.0.1:1"),
+                                     kubernetes=KubernetesSourceOptions(pool_name="p"))).start()
 
 
 async def _tls_health(port: int, root: bytes) -> int:
@@ -155,9 +175,9 @@ async def test_secure_serving(tmp_path: Path, own_cert: bool) -> None:
         cert_dir = str(tmp_path)
     grpc_port, health = free_port(), free_port()
     server = EppServer(ServeOptions(
-        grpc_port=grpc_port, grpc_health_port=health, metrics_port=free_port(),
-        bind_address="127.0.0.1", endpoints="127.0.0.1:1", scrape_metrics=False,
-        secure_serving=True, cert_path=cert_dir))
+        listen=_listen(grpc_port=grpc_port, grpc_health_port=health),
+        static=StaticSourceOptions(endpoints="127.0.0.1:1"), scraping=NO_SCRAPING,
+        tls=TlsOptions(secure_serving=True, cert_path=cert_dir)))
     await server.start()
     try:
         served = ssl.get_server_certificate(("127.0.0.1", grpc_port)).encode()
@@ -173,8 +193,7 @@ async def test_secure_serving(tmp_path: Path, own_cert: bool) -> None:
 
 async def test_cert_path_without_files_fails(tmp_path: Path) -> None:
     server = EppServer(ServeOptions(
-        grpc_port=free_port(), grpc_health_port=free_port(), metrics_port=free_port(),
-        bind_address="127.0.0.1", endpoints="127.0.0.1:1", scrape_metrics=False,
-        secure_serving=True, cert_path=str(tmp_path)))
+        listen=_listen(), static=StaticSourceOptions(endpoints="127.0.0.1:1"),
+        scraping=NO_SCRAPING, tls=TlsOptions(secure_serving=True, cert_path=str(tmp_path))))
     with pytest.raises(ConfigError, match="tls.key"):
         await server.start()

@@ -221,7 +221,7 @@ def test_topology_levels_score_strongest_shared_level() -> None:
 
 def test_topology_pairing_spills_over_a_hot_rack() -> None:
     built = load_and_build(str(REPO / "config" / "pd-grove.yaml"))
-    rack = lambda r: {"topology.kubernetes.io/rack": r}  # noqa: E731
+    rack = lambda r: {"topology.kubernetes.io/rack": r}
     decode = ep(1, "decode", node=rack("r1"))
     near, far = ep(2, "prefill", node=rack("r1")), ep(3, "prefill", node=rack("r2"))
     _, h = schedule(built, req(), [decode, near, far])

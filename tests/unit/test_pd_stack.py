@@ -60,7 +60,6 @@ def test_pair_stats() -> None:
 
 def test_benchmark_configs_build() -> None:
     from bench.pd import AGGREGATED_CONFIG, active_config, aware_config, blind_config
-
     from epp.config.loader import build, parse_config
 
     blind = build(parse_config(blind_config(), "blind.yaml"))

@@ -7,9 +7,9 @@ from collections import Counter
 
 import pytest
 
-from epp.config.params import Params
-from epp.config.registry import PluginHandle
 from epp.errors import ConfigError
+from epp.framework.handle import PluginHandle
+from epp.framework.registry import builder_for
 from epp.scheduling.plugins.pickers import MaxScorePicker, RandomPicker
 from epp.scheduling.plugins.scorers import KVCacheUtilizationScorer, QueueScorer
 from epp.scheduling.types import (
@@ -85,8 +85,8 @@ def test_kv_cache_scorer_never_scraped_counts_as_empty() -> None:
 
 def test_scorer_from_params_rejects_parameters() -> None:
     with pytest.raises(ConfigError, match=r"plugins\[0\]\.parameters\.x: unknown parameter"):
-        QueueScorer.from_params("q", Params({"x": 1}, "plugins[0].parameters"), PluginHandle())
-    built = KVCacheUtilizationScorer.from_params("kv", Params(None, "p"), PluginHandle())
+        builder_for(QueueScorer, "t")("q", {"x": 1}, "plugins[0].parameters", PluginHandle())
+    built = builder_for(KVCacheUtilizationScorer, "t")("kv", None, "p", PluginHandle())
     assert built.name == "kv" and built.type_name == "kv-cache-utilization-scorer"
 
 
@@ -174,10 +174,10 @@ def test_random_picker_ignores_scores() -> None:
 
 @pytest.mark.parametrize("cls", [MaxScorePicker, RandomPicker])
 def test_picker_from_params(cls: type) -> None:
-    p = cls.from_params("pk", Params({"maxNumOfEndpoints": 4}, "plugins[2].parameters"),
-                        PluginHandle())
+    p = builder_for(cls, "t")("pk", {"maxNumOfEndpoints": 4}, "plugins[2].parameters",
+                              PluginHandle())
     assert p.name == "pk" and p.max_num_of_endpoints == 4
-    default = cls.from_params("pk", Params({}, "x"), PluginHandle())
+    default = builder_for(cls, "t")("pk", {}, "x", PluginHandle())
     assert default.max_num_of_endpoints == 1
 
 
@@ -189,7 +189,7 @@ def test_picker_from_params(cls: type) -> None:
 )
 def test_picker_bad_max_num(value: object, fragment: str) -> None:
     with pytest.raises(ConfigError) as info:
-        MaxScorePicker.from_params("pk", Params({"maxNumOfEndpoints": value},
-                                                "plugins[2].parameters"), PluginHandle())
+        builder_for(MaxScorePicker, "t")("pk", {"maxNumOfEndpoints": value},
+                                         "plugins[2].parameters", PluginHandle())
     assert "plugins[2].parameters.maxNumOfEndpoints" in str(info.value)
     assert fragment in str(info.value)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from epp.config.loader import load_and_build, parse_config, build
+from epp.config.loader import build, load_and_build, parse_config
 from epp.errors import ConfigError
 from epp.scheduling.plugins.prefix import ApproxPrefixCacheProducer, PrefixCacheScorer
 from epp.scheduling.prefix.indexer import PrefixIndex, prompt_block_hashes

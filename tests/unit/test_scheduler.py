@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import random
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import pytest
 
 from epp.errors import EppError, NoCapacity
+from epp.framework.interfaces import Filter, Picker, ProfileHandler, Scorer
 from epp.scheduling import scheduler as scheduler_mod
-from epp.scheduling.interfaces import Filter, Picker, ProfileHandler, Scorer
 from epp.scheduling.plugins.handlers import SingleProfileHandler
 from epp.scheduling.plugins.pickers import MaxScorePicker
 from epp.scheduling.scheduler import Scheduler, SchedulerProfile
@@ -20,10 +20,9 @@ from epp.scheduling.types import (
     LLMRequest,
     Metrics,
     ProfileRunResult,
-    ScoredEndpoint,
     SchedulingResult,
+    ScoredEndpoint,
 )
-
 
 # ---------------------------------------------------------------- helpers
 
@@ -473,3 +472,98 @@ def test_timer_stops_at_the_filter_that_empties_the_list() -> None:
     assert profile.run(CycleState(), req(), [e1]) is None
     assert calls == [("Filter", "empty")]
     assert f_after.inputs == []
+
+
+# ---------------------------------------------------------------- scheduling observer
+
+
+class RecordingObserver:
+    """A SchedulingObserver that writes down every hook call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[object, ...]] = []
+
+    def profile_started(self, profile: str, candidates: Sequence[Endpoint]) -> None:
+        self.calls.append(("profile_started", profile, [e.key for e in candidates]))
+
+    def filtered(self, profile: str, plugin: Filter, before: Sequence[Endpoint],
+                 kept: Sequence[Endpoint]) -> None:
+        self.calls.append(("filtered", profile, plugin.name, [e.key for e in before],
+                           [e.key for e in kept]))
+
+    def scored(self, profile: str, plugin: Scorer, weight: float,
+               endpoints: Sequence[Endpoint], scores: Sequence[float]) -> None:
+        self.calls.append(("scored", profile, plugin.name, weight,
+                           {e.key: s for e, s in zip(endpoints, scores)}))
+
+    def picked(self, profile: str, plugin: Picker, scored: Sequence[ScoredEndpoint],
+               result: ProfileRunResult) -> None:
+        self.calls.append(("picked", profile, plugin.name,
+                           {s.endpoint.key: s.score for s in scored},
+                           [e.key for e in result.endpoints]))
+
+
+def _observed_profile() -> tuple[SchedulerProfile, list[Endpoint]]:
+    e1, e2, e3 = ep(1), ep(2), ep(3)
+    flt = KeepFilter("f", {e1.key, e2.key})
+    s1 = FixedScorer("s1", {e1.key: 0.2, e2.key: 1.5})  # 1.5 is clamped to 1.0
+    s2 = FixedScorer("s2", {e1.key: 1.0, e2.key: 0.0})
+    return SchedulerProfile("p", [flt], [(s1, 2.0), (s2, 1.0)], max_picker()), [e1, e2, e3]
+
+
+def test_observer_is_told_every_plugin_outcome_in_call_order() -> None:
+    profile, eps = _observed_profile()
+    e1, e2, e3 = eps
+    obs = RecordingObserver()
+    result = single(profile).schedule(req(), eps, obs)
+    assert obs.calls == [
+        ("profile_started", "p", [e1.key, e2.key, e3.key]),
+        ("filtered", "p", "f", [e1.key, e2.key, e3.key], [e1.key, e2.key]),
+        ("scored", "p", "s1", 2.0, {e1.key: 0.2, e2.key: 1.0}),
+        ("scored", "p", "s2", 1.0, {e1.key: 1.0, e2.key: 0.0}),
+        ("picked", "p", "max-score-picker", {e1.key: pytest.approx(1.4), e2.key: 2.0},
+         [e2.key]),
+    ]
+    assert result.primary.endpoints == (e2,)
+
+
+def _random_scheduler(seed: int, eps: list[Endpoint]) -> Scheduler:
+    rng = random.Random(seed)
+    table = {e.key: rng.random() for e in eps}
+    keep = {e.key for e in eps if rng.random() < 0.7} or {eps[0].key}
+    return single(SchedulerProfile("p", [KeepFilter("f", keep)],
+                                   [(FixedScorer("s", table), 2.0)], max_picker(2, seed)))
+
+
+def test_the_decision_is_the_same_with_or_without_an_observer() -> None:
+    eps = [ep(i) for i in range(1, 9)]
+    for seed in range(20):
+        plain = _random_scheduler(seed, eps).schedule(req(), eps)
+        observed = _random_scheduler(seed, eps).schedule(req(), eps, RecordingObserver())
+        assert plain == observed
+
+
+def test_observer_sees_the_filter_that_empties_a_profile() -> None:
+    e1 = ep(1)
+    profile = SchedulerProfile("p", [KeepFilter("none", set()), KeepFilter("after", {e1.key})],
+                               [(FixedScorer("s", {e1.key: 1.0}), 1.0)], max_picker())
+    obs = RecordingObserver()
+    state = CycleState()
+    state[scheduler_mod.OBSERVER_KEY] = obs
+    assert profile.run(state, req(), [e1]) is None
+    assert obs.calls == [("profile_started", "p", [e1.key]),
+                         ("filtered", "p", "none", [e1.key], [])]
+
+
+def test_without_an_observer_nothing_is_reported_and_the_state_has_no_observer_key() -> None:
+    profile, eps = _observed_profile()
+    seen: list[CycleState] = []
+
+    class StatePicker(MaxScorePicker):
+        def pick(self, state: CycleState, scored: Sequence[ScoredEndpoint]) -> ProfileRunResult:
+            seen.append(state)
+            return super().pick(state, scored)
+
+    profile.picker = StatePicker("max-score-picker", 1, rng=random.Random(0))
+    single(profile).schedule(req(), eps)
+    assert seen and scheduler_mod.OBSERVER_KEY not in seen[0]

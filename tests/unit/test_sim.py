@@ -1,5 +1,6 @@
-"""The model-server simulator's HTTP surface (epp.sim.server): OpenAI routes, SSE, usage,
-metrics, debug log, CLI. The latency model is checked in test_sim_model.py."""
+"""The model-server simulator's HTTP surface (epp.sim.app, epp.sim.openai_api,
+epp.sim.server): OpenAI routes, SSE, usage, metrics, debug log, CLI. The latency model is
+checked in test_sim_model.py."""
 
 from __future__ import annotations
 
@@ -16,18 +17,12 @@ import orjson
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from epp.sim import server
+from epp.sim.app import build_app
 from epp.sim.config import SimConfig
-from epp.sim.server import (
-    DEBUG_LOG_SIZE,
-    DEFAULT_MAX_TOKENS,
-    SIM_SERVER_HEADER,
-    STATE_KEY,
-    build_app,
-    build_parser,
-    config_from_args,
-    main,
-    serving,
-)
+from epp.sim.options import build_parser, config_from_args
+from epp.sim.server import main, serving
+from epp.sim.state import DEBUG_LOG_SIZE, DEFAULT_MAX_TOKENS, SIM_SERVER_HEADER, STATE_KEY
 from epp.stack.procs import ManagedProcess, free_port, wait_port
 
 MODEL = "test-model"
@@ -356,7 +351,8 @@ async def test_module_entry_point(tmp_path: Path) -> None:
 async def test_cli_entry_point_with_model_options(tmp_path: Path) -> None:
     port = free_port()
     argv = [sys.executable, "-m", "epp.cli", "sim", "--port", str(port)]
-    argv += "--role prefill --lora ad-1,ad-2 --max-loras 2 --seed 3 --time-scale 0".split()
+    argv += ["--role", "prefill", "--lora", "ad-1,ad-2", "--max-loras", "2", "--seed", "3",
+             "--time-scale", "0"]
     proc = ManagedProcess(argv, log_path=tmp_path / "sim.log")
     async with proc:
         await wait_port("127.0.0.1", port, timeout=15)
@@ -378,13 +374,12 @@ async def test_cli_entry_point_with_model_options(tmp_path: Path) -> None:
 
 def test_cli_options_map_onto_the_config() -> None:
     args = build_parser().parse_args(
-        (
-            "--port 1 --max-num-seqs 4 --max-num-batched-tokens 128 --block-size 8"
-            " --num-gpu-blocks 64 --prefill-ms-per-token 0.5 --decode-base-ms 7"
-            " --decode-per-seq-ms 0.5 --kv-transfer-ms-per-token 0.01 --lora a --lora b,c"
-            " --max-loras 2 --lora-load-ms 3 --role decode --error-rate 0.1 --slow-start-s 2"
-            " --slow-start-factor 5 --time-scale 0.1 --seed 9"
-        ).split()
+        ["--port", "1", "--max-num-seqs", "4", "--max-num-batched-tokens", "128", "--block-size",
+         "8", "--num-gpu-blocks", "64", "--prefill-ms-per-token", "0.5", "--decode-base-ms", "7",
+         "--decode-per-seq-ms", "0.5", "--kv-transfer-ms-per-token", "0.01", "--lora", "a",
+         "--lora", "b,c", "--max-loras", "2", "--lora-load-ms", "3", "--role", "decode",
+         "--error-rate", "0.1", "--slow-start-s", "2", "--slow-start-factor", "5", "--time-scale",
+         "0.1", "--seed", "9"]
     )
     cfg = config_from_args(args)
     assert cfg == SimConfig(
@@ -436,3 +431,18 @@ async def test_models_lists_adapters_and_debug_state(client: TestClient[Any, Any
         assert [(m["id"], m["parent"]) for m in data] == [(MODEL, None), ("x", MODEL)]
         resp = await c.post("/v1/completions", json={"model": "x", "prompt": "a", "max_tokens": 2})
         assert (await resp.json())["model"] == "x"
+
+
+def test_server_keeps_exporting_the_names_it_used_to_define() -> None:
+    """``epp.sim.server`` was one module; callers importing from it keep working."""
+    from epp.sim import app, options, state
+
+    assert server.build_app is app.build_app and server.STATE_KEY is state.STATE_KEY
+    assert server.build_parser is options.build_parser
+    assert server.config_from_args is options.config_from_args
+    assert server.topology_from_args is options.topology_from_args
+    for name in ("DEBUG_LOG_SIZE", "DEFAULT_MAX_TOKENS", "DEFAULT_MODEL", "SIM_SERVER_HEADER",
+                 "STATE_KEY", "BadRequest", "SimConfig", "SimState", "build_app",
+                 "build_parser", "config_from_args", "main", "run_servers", "serving",
+                 "start_servers"):
+        assert name in server.__all__ and hasattr(server, name), name

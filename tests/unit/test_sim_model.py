@@ -19,9 +19,10 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
+from epp.sim.app import build_app
 from epp.sim.config import SimConfig
 from epp.sim.engine import Engine
-from epp.sim.server import STATE_KEY, build_app
+from epp.sim.state import STATE_KEY
 
 MODEL = "m"
 Client = TestClient[Any, Any]

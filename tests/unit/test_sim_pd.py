@@ -19,8 +19,9 @@ import pytest
 import yaml
 from aiohttp.test_utils import TestClient, TestServer
 
+from epp.sim.app import build_app
 from epp.sim.config import SimConfig
-from epp.sim.server import build_app, build_parser, config_from_args, topology_from_args
+from epp.sim.options import build_parser, config_from_args, topology_from_args
 from epp.sim.topology import PeerTopology, distance, parse_level_costs, parse_topology
 
 MODEL = "m"

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import orjson
+import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from epp.config.loader import load_and_build
 from epp.datastore.store import Datastore
+from epp.errors import ServiceUnavailable
 from epp.observability.metrics import EppMetrics
 from epp.observability.tracing import Tracing
 from epp.requestcontrol.director import Director, SchedulingCore
@@ -62,10 +64,29 @@ async def test_rejected_request_span_records_status() -> None:
     built = load_and_build()
     d = Director(SchedulingCore(store, built.scheduler, EppMetrics(store),
                                 tracing=Tracing(provider)))
-    try:
+    with pytest.raises(ServiceUnavailable):
         await d.route({":path": "/v1/completions"}, orjson.dumps({"model": "m", "prompt": "x"}),
                       True, None)
-    except Exception as e:
-        assert getattr(e, "status", None) == 503
     (span,) = exporter.get_finished_spans()
     assert span.name == "epp.request" and span.attributes["http.status_code"] == 503
+    assert span.attributes["error.message"] == "no ready endpoints in the pool"
+
+
+async def test_plugin_timings_outside_a_decision_make_no_spans() -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    store = Datastore()
+    store.set_endpoints([Endpoint("p1", "10.0.0.1", 8000)])
+    built = load_and_build()
+    core = SchedulingCore(store, built.scheduler, EppMetrics(store), tracing=Tracing(provider))
+    scorer = next(iter(built.scheduler.profiles.values())).scorers[0][0]
+    core.plugin_timer("Scorer", scorer, 0.001)  # nobody is being decided: dropped
+    d = Director(core)
+    r = await d.route({":path": "/v1/completions"}, orjson.dumps({"model": "m", "prompt": "x"}),
+                      True, None)
+    d.on_done(r.context, aborted=True)
+    spans = exporter.get_finished_spans()
+    assert not [s for s in spans if s.name.startswith("Scorer ")]
+    (req,) = [s for s in spans if s.name == "epp.request"]
+    assert req.attributes["epp.aborted"] is True and req.attributes["http.status_code"] == 0

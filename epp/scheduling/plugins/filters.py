@@ -19,12 +19,13 @@ An empty selector keeps every endpoint. Endpoints whose labels do not match are 
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Self
 
-from epp.config.params import Params
-from epp.config.registry import PluginHandle
 from epp.errors import ConfigError
+from epp.framework.handle import PluginHandle
+from epp.framework.params import param
 from epp.scheduling.types import CycleState, Endpoint, LLMRequest
 
 
@@ -66,7 +67,7 @@ class LabelSelector:
         return all(r.matches(labels) for r in self.requirements)
 
     @classmethod
-    def parse(cls, match_labels: Any, match_expressions: Any, path: str) -> "LabelSelector":
+    def parse(cls, match_labels: Any, match_expressions: Any, path: str) -> LabelSelector:
         """Validate and parse; raises ConfigError naming ``path.<key>`` on a bad value."""
         reqs: list[Requirement] = []
         if match_labels is not None:
@@ -124,22 +125,35 @@ def _requirement(raw: Any, path: str) -> Requirement:
     return Requirement(key, op)
 
 
+def _match_labels(v: Any, path: str) -> tuple[Requirement, ...]:
+    return LabelSelector.parse(v, None, path.rpartition(".")[0]).requirements
+
+
+def _match_expressions(v: Any, path: str) -> tuple[Requirement, ...]:
+    return LabelSelector.parse(None, v, path.rpartition(".")[0]).requirements
+
+
+@dataclass(frozen=True)
+class LabelSelectorParameters:
+    match_labels: tuple[Requirement, ...] = param("matchLabels", (), parse=_match_labels)
+    match_expressions: tuple[Requirement, ...] = param("matchExpressions", (),
+                                                       parse=_match_expressions)
+
+
 class LabelSelectorFilter:
     """Keeps the endpoints whose labels match the selector (order kept)."""
 
     type_name = "label-selector-filter"
+    Parameters = LabelSelectorParameters
 
     def __init__(self, name: str, selector: LabelSelector) -> None:
         self.name = name
         self.selector = selector
 
     @classmethod
-    def from_params(cls, name: str, params: Params,
-                    handle: PluginHandle) -> "LabelSelectorFilter":
-        selector = LabelSelector.parse(params.raw("matchLabels"), params.raw("matchExpressions"),
-                                       params.path)
-        params.done()
-        return cls(name, selector)
+    def from_params(cls, name: str, params: LabelSelectorParameters,
+                    handle: PluginHandle) -> Self:
+        return cls(name, LabelSelector(params.match_labels + params.match_expressions))
 
     def filter(self, state: CycleState, request: LLMRequest,
                endpoints: Sequence[Endpoint]) -> Sequence[Endpoint]:

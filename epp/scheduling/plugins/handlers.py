@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
-from epp.config.params import Params
-from epp.config.registry import PluginHandle
 from epp.errors import NoCapacity
-from epp.scheduling.scheduler import SchedulerProfile
+from epp.framework.handle import PluginHandle
+from epp.framework.interfaces import Profile
+from epp.framework.params import NoParameters
 from epp.scheduling.types import CycleState, LLMRequest, ProfileRunResult, SchedulingResult
 
 
@@ -15,22 +15,23 @@ class SingleProfileHandler:
     """Runs the one configured profile once; it is the primary."""
 
     type_name = "single-profile-handler"
+    Parameters = NoParameters
 
     def __init__(self, name: str) -> None:
         self.name = name
 
     @classmethod
-    def from_params(cls, name: str, params: Params, handle: PluginHandle) -> "SingleProfileHandler":
-        params.done()
+    def from_params(cls, name: str, params: NoParameters,
+                    handle: PluginHandle) -> SingleProfileHandler:
         return cls(name)
 
     def pick(
         self,
         state: CycleState,
         request: LLMRequest,
-        profiles: Mapping[str, SchedulerProfile],
+        profiles: Mapping[str, Profile],
         results: Mapping[str, ProfileRunResult | None],
-    ) -> Mapping[str, SchedulerProfile]:
+    ) -> Mapping[str, Profile]:
         return {} if results else profiles
 
     def process_results(

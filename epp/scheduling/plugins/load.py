@@ -17,12 +17,12 @@ event loop only; they are not thread-safe.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
-from epp.config.params import Params
-from epp.config.registry import PluginHandle
 from epp.errors import ConfigError
+from epp.framework.handle import PluginHandle
+from epp.framework.params import param, positive_duration
 from epp.scheduling.types import CycleState, Endpoint, LLMRequest, SchedulingResult
 
 CHARS_PER_TOKEN = 4.0
@@ -152,11 +152,6 @@ class _Tracking:
         self.tracker.remove_endpoint(key)
 
 
-def _timeout(params: Params, default: float) -> float:
-    t = params.duration("requestTimeout", default)
-    if not t > 0:
-        raise ConfigError(f"{params.path}.requestTimeout: must be > 0, got {t:g}s")
-    return t
 
 
 # ---------------------------------------------------------------- load-aware-scorer
@@ -173,15 +168,18 @@ class LoadAwareScorer:
     type_name = "load-aware-scorer"
     DEFAULT_THRESHOLD = 128
 
+    @dataclass(frozen=True)
+    class Parameters:
+        threshold: int = param("threshold", 128, minimum=1)
+
     def __init__(self, name: str, threshold: int = DEFAULT_THRESHOLD) -> None:
         self.name = name
         self.threshold = threshold
 
     @classmethod
-    def from_params(cls, name: str, params: Params, handle: PluginHandle) -> "LoadAwareScorer":
-        threshold = params.int("threshold", cls.DEFAULT_THRESHOLD, minimum=1)
-        params.done()
-        return cls(name, threshold)
+    def from_params(cls, name: str, params: LoadAwareScorer.Parameters,
+                    handle: PluginHandle) -> LoadAwareScorer:
+        return cls(name, params.threshold)
 
     def score(self, state: CycleState, request: LLMRequest,
               endpoints: Sequence[Endpoint]) -> Sequence[float]:
@@ -208,6 +206,10 @@ class ActiveRequestScorer(_Tracking):
     type_name = "active-request-scorer"
     DEFAULT_TIMEOUT = 120.0
 
+    @dataclass(frozen=True)
+    class Parameters:
+        request_timeout: float = param("requestTimeout", 120.0, parse=positive_duration)
+
     def __init__(self, name: str, request_timeout: float = DEFAULT_TIMEOUT,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.name = name
@@ -215,11 +217,9 @@ class ActiveRequestScorer(_Tracking):
         self.tracker = InFlightTracker(request_timeout, clock)
 
     @classmethod
-    def from_params(cls, name: str, params: Params,
-                    handle: PluginHandle) -> "ActiveRequestScorer":
-        timeout = _timeout(params, cls.DEFAULT_TIMEOUT)
-        params.done()
-        return cls(name, timeout)
+    def from_params(cls, name: str, params: ActiveRequestScorer.Parameters,
+                    handle: PluginHandle) -> ActiveRequestScorer:
+        return cls(name, params.request_timeout)
 
     def score(self, state: CycleState, request: LLMRequest,
               endpoints: Sequence[Endpoint]) -> Sequence[float]:
@@ -244,17 +244,19 @@ class InFlightLoadProducer(_Tracking):
     type_name = "inflight-load-producer"
     count_tokens = True
 
+    @dataclass(frozen=True)
+    class Parameters:
+        request_timeout: float | None = param("requestTimeout", None, parse=positive_duration)
+
     def __init__(self, name: str, request_timeout: float | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.name = name
         self.tracker = InFlightTracker(request_timeout, clock)
 
     @classmethod
-    def from_params(cls, name: str, params: Params,
-                    handle: PluginHandle) -> "InFlightLoadProducer":
-        timeout = _timeout(params, 0.0) if params.raw("requestTimeout") is not None else None
-        params.done()
-        return cls(name, timeout)
+    def from_params(cls, name: str, params: InFlightLoadProducer.Parameters,
+                    handle: PluginHandle) -> InFlightLoadProducer:
+        return cls(name, params.request_timeout)
 
     def score(self, state: CycleState, request: LLMRequest,
               endpoints: Sequence[Endpoint]) -> Sequence[float]:
@@ -276,27 +278,30 @@ class TokenLoadScorer:
     type_name = "token-load-scorer"
     DEFAULT_THRESHOLD = 4_194_304
 
+    @dataclass(frozen=True)
+    class Parameters:
+        queue_threshold_tokens: int = param("queueThresholdTokens", 4_194_304, minimum=1)
+
     def __init__(self, name: str, threshold_tokens: int = DEFAULT_THRESHOLD) -> None:
         self.name = name
         self.threshold_tokens = threshold_tokens
         self.producer: InFlightLoadProducer | None = None
 
     @classmethod
-    def from_params(cls, name: str, params: Params, handle: PluginHandle) -> "TokenLoadScorer":
-        threshold = params.int("queueThresholdTokens", cls.DEFAULT_THRESHOLD, minimum=1)
-        params.done()
-        return cls(name, threshold)
+    def from_params(cls, name: str, params: TokenLoadScorer.Parameters,
+                    handle: PluginHandle) -> TokenLoadScorer:
+        return cls(name, params.queue_threshold_tokens)
 
     def bind(self, handle: PluginHandle) -> None:
         """After every plugin is built: find the producer, or create one."""
-        producers = [p for p in handle.plugins.values() if isinstance(p, InFlightLoadProducer)]
+        producers = handle.of_type(InFlightLoadProducer)
         if len(producers) > 1:
             raise ConfigError(f"{self.name}: more than one inflight-load-producer; keep one")
         if producers:
             self.producer = producers[0]
             return
         self.producer = InFlightLoadProducer(f"{self.name}-producer")
-        handle.plugins[self.producer.name] = self.producer
+        handle.add(self.producer)
 
     def score(self, state: CycleState, request: LLMRequest,
               endpoints: Sequence[Endpoint]) -> Sequence[float]:

@@ -17,10 +17,10 @@ full of adapters.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
-from epp.config.params import Params
-from epp.config.registry import PluginHandle
+from epp.framework.handle import PluginHandle
+from epp.framework.params import NoParameters
 from epp.scheduling.types import CycleState, Endpoint, LLMRequest
 
 SCORE_ACTIVE = 1.0
@@ -32,13 +32,14 @@ class LoraAffinityScorer:
     """Scores endpoints by the LoRA adapter state of the request's target model."""
 
     type_name = "lora-affinity-scorer"
+    Parameters = NoParameters
 
     def __init__(self, name: str) -> None:
         self.name = name
 
     @classmethod
-    def from_params(cls, name: str, params: Params, handle: PluginHandle) -> "LoraAffinityScorer":
-        params.done()
+    def from_params(cls, name: str, params: NoParameters,
+                    handle: PluginHandle) -> LoraAffinityScorer:
         return cls(name)
 
     def score(self, state: CycleState, request: LLMRequest,

@@ -24,20 +24,38 @@ endpoints remembered).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
-from epp.config.params import Params
-from epp.config.registry import PluginHandle
 from epp.errors import ConfigError
-from epp.scheduling.interfaces import Plugin
+from epp.framework.handle import PluginHandle
+from epp.framework.interfaces import Plugin
+from epp.framework.params import param
 from epp.scheduling.plugins.prefix import ApproxPrefixCacheProducer, PrefixCacheScorer
 from epp.scheduling.types import CycleState, Endpoint, LLMRequest, SchedulingResult
 
 NEUTRAL = 0.5
 
 
+def _plugin_name(v: Any, path: str) -> str:
+    if not isinstance(v, str):
+        raise ConfigError(f"{path}: expected a string, got {v!r}")
+    if not v:
+        raise ConfigError(f"{path}: must not be empty")
+    return v
+
+
+@dataclass(frozen=True)
+class NoHitLRUParameters:
+    prefix_plugin_name: str | None = param("prefixPluginName", None, parse=_plugin_name)
+    prefill_profile: str = param("prefillProfile", "prefill")
+    lru_size: int = param("lruSize", 1024, minimum=1)
+
+
 class NoHitLRUScorer:
     type_name = "no-hit-lru-scorer"
+    Parameters = NoHitLRUParameters
     DEFAULT_PREFIX_PLUGIN = "prefix-cache-scorer"
     DEFAULT_PREFILL_PROFILE = "prefill"
     DEFAULT_LRU_SIZE = 1024
@@ -54,21 +72,16 @@ class NoHitLRUScorer:
         self._lru: OrderedDict[str, None] = OrderedDict()
 
     @classmethod
-    def from_params(cls, name: str, params: Params, handle: PluginHandle) -> "NoHitLRUScorer":
-        prefix_name = params.str("prefixPluginName", None)
-        if prefix_name is not None and not prefix_name:
-            raise ConfigError(f"{params.path}.prefixPluginName: must not be empty")
-        prefill = params.str("prefillProfile", cls.DEFAULT_PREFILL_PROFILE) or \
-            cls.DEFAULT_PREFILL_PROFILE
-        lru_size = params.int("lruSize", cls.DEFAULT_LRU_SIZE, minimum=1)
-        params.done()
-        return cls(name, prefix_name, prefill, lru_size)
+    def from_params(cls, name: str, params: NoHitLRUParameters,
+                    handle: PluginHandle) -> NoHitLRUScorer:
+        return cls(name, params.prefix_plugin_name,
+                   params.prefill_profile or cls.DEFAULT_PREFILL_PROFILE, params.lru_size)
 
     def bind(self, handle: PluginHandle) -> None:
         """Find the prefix plugin to read (by name; the default name falls back to the only
         prefix plugin declared). Without one every request counts as cold, as in llm-d."""
         wanted = self.prefix_plugin_name or self.DEFAULT_PREFIX_PLUGIN
-        found = handle.plugins.get(wanted)
+        found = handle.get(wanted)
         if found is not None:
             if not isinstance(found, (PrefixCacheScorer, ApproxPrefixCacheProducer)):
                 raise ConfigError(f"{self.name}: prefixPluginName {wanted!r} is a "
@@ -80,7 +93,7 @@ class NoHitLRUScorer:
             raise ConfigError(f"{self.name}: prefixPluginName {wanted!r}: no such plugin; "
                               "declare the prefix-cache-scorer it reads")
         for kind in (PrefixCacheScorer, ApproxPrefixCacheProducer):
-            candidates = [p for p in handle.plugins.values() if isinstance(p, kind)]
+            candidates: Sequence[Plugin] = handle.of_type(kind)
             if len(candidates) == 1:
                 self._prefix = candidates[0]
                 return

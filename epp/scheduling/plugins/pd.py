@@ -19,14 +19,21 @@ threshold 0 means *always* disaggregate.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol, runtime_checkable
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+from typing import Any, Protocol, Self, runtime_checkable
 
 from epp import keys
-from epp.config.params import Params
-from epp.config.registry import PluginHandle
 from epp.errors import ConfigError, NoCapacity
-from epp.scheduling.plugins.prefix import CHARS_PER_TOKEN, ApproxPrefixCacheProducer
-from epp.scheduling.scheduler import SchedulerProfile
+from epp.framework.handle import PluginHandle
+from epp.framework.interfaces import Profile
+from epp.framework.params import NoParameters, param
+from epp.scheduling.plugins.prefix import (
+    CHARS_PER_TOKEN,
+    ApproxPrefixCacheProducer,
+    PrefixCacheScorer,
+)
 from epp.scheduling.types import (
     CycleState,
     Endpoint,
@@ -49,13 +56,12 @@ class PrefillDecider(Protocol):
 
 
 def _find_producer(handle: PluginHandle) -> ApproxPrefixCacheProducer | None:
-    for p in handle.plugins.values():
-        if isinstance(p, ApproxPrefixCacheProducer):
-            return p
-    for p in handle.plugins.values():  # a prefix-cache-scorer's own producer
-        prod = getattr(p, "producer", None)
-        if isinstance(prod, ApproxPrefixCacheProducer):
-            return prod
+    producers = handle.of_type(ApproxPrefixCacheProducer)
+    if producers:
+        return producers[0]
+    for scorer in handle.of_type(PrefixCacheScorer):  # a prefix-cache-scorer's own producer
+        if scorer.producer is not None:
+            return scorer.producer
     return None
 
 
@@ -76,16 +82,19 @@ def non_cached_tokens(producer: ApproxPrefixCacheProducer | None, state: CycleSt
 class PrefixBasedPDDecider:
     type_name = "prefix-based-pd-decider"
 
+    @dataclass(frozen=True)
+    class Parameters:
+        non_cached_tokens: int = param("nonCachedTokens", 0, minimum=0)
+
     def __init__(self, name: str, non_cached_tokens: int) -> None:
         self.name = name
         self.non_cached_tokens = non_cached_tokens
         self._handle: PluginHandle | None = None
 
     @classmethod
-    def from_params(cls, name: str, params: Params, handle: PluginHandle) -> "PrefixBasedPDDecider":
-        n = params.int("nonCachedTokens", 0, minimum=0)
-        params.done()
-        return cls(name, n)
+    def from_params(cls, name: str, params: PrefixBasedPDDecider.Parameters,
+                    handle: PluginHandle) -> PrefixBasedPDDecider:
+        return cls(name, params.non_cached_tokens)
 
     def bind(self, handle: PluginHandle) -> None:
         # Resolved at first use: a prefix-cache-scorer may create its producer in its own
@@ -101,13 +110,14 @@ class PrefixBasedPDDecider:
 
 class AlwaysDisaggPDDecider:
     type_name = "always-disagg-pd-decider"
+    Parameters = NoParameters
 
     def __init__(self, name: str) -> None:
         self.name = name
 
     @classmethod
-    def from_params(cls, name: str, params: Params, handle: PluginHandle) -> "AlwaysDisaggPDDecider":
-        params.done()
+    def from_params(cls, name: str, params: NoParameters,
+                    handle: PluginHandle) -> AlwaysDisaggPDDecider:
         return cls(name)
 
     def disaggregate(self, state: CycleState, request: LLMRequest, decode: Endpoint) -> bool:
@@ -132,19 +142,42 @@ class _ThresholdDecider:
             p = self.handle.get(self.prefix_plugin)
             if isinstance(p, ApproxPrefixCacheProducer):
                 return p
-            prod = getattr(p, "producer", None)
-            if isinstance(prod, ApproxPrefixCacheProducer):
-                return prod
+            if isinstance(p, PrefixCacheScorer) and p.producer is not None:
+                return p.producer
         return _find_producer(self.handle)
 
     def disaggregate(self, state: CycleState, request: LLMRequest, decode: Endpoint) -> bool:
         return non_cached_tokens(self._producer(), state, request, decode) >= self.threshold
 
 
+def _profiles_param(v: Any, path: str) -> Mapping[str, str]:
+    if not isinstance(v, Mapping) or set(v) - {"decode", "prefill"}:
+        raise ConfigError(f"{path}: expected {{decode: NAME, prefill: NAME}}")
+    return v
+
+
+def _deciders_param(v: Any, path: str) -> Mapping[str, str]:
+    if not isinstance(v, Mapping) or set(v) - {"prefill"}:
+        raise ConfigError(f"{path}: expected {{prefill: DECIDER-PLUGIN-NAME}}")
+    return v
+
+
+@dataclass(frozen=True)
+class DisaggProfileHandlerParameters:
+    profiles: Mapping[str, str] | None = param("profiles", None, parse=_profiles_param)
+    deciders: Mapping[str, str] | None = param("deciders", None, parse=_deciders_param)
+    # Deprecated flat names (older llm-d files).
+    decode_profile: str | None = param("decodeProfile")
+    prefill_profile: str | None = param("prefillProfile")
+    decider_plugin_name: str | None = param("deciderPluginName")
+    primary_port: int = param("primaryPort", 0, minimum=0, maximum=65535)
+
+
 class DisaggProfileHandler:
     """Decode first, then prefill when the decider says so; primary = decode."""
 
     type_name = "disagg-profile-handler"
+    Parameters = DisaggProfileHandlerParameters
 
     def __init__(self, name: str, decode_profile: str = "decode", prefill_profile: str = "prefill",
                  decider_name: str | None = None, primary_port: int | None = None) -> None:
@@ -153,24 +186,18 @@ class DisaggProfileHandler:
         self.prefill_profile = prefill_profile
         self.decider_name = decider_name
         self.primary_port = primary_port
-        self.decider: Any = None
+        self.decider: PrefillDecider | None = None
 
     @classmethod
-    def from_params(cls, name: str, params: Params, handle: PluginHandle) -> "DisaggProfileHandler":
-        profiles = params.raw("profiles") or {}
-        deciders = params.raw("deciders") or {}
-        if not isinstance(profiles, Mapping) or set(profiles) - {"decode", "prefill"}:
-            raise ConfigError(f"{params.path}.profiles: expected {{decode: NAME, prefill: NAME}}")
-        if not isinstance(deciders, Mapping) or set(deciders) - {"prefill"}:
-            raise ConfigError(f"{params.path}.deciders: expected {{prefill: DECIDER-PLUGIN-NAME}}")
-        # Deprecated flat names (older llm-d files).
-        decode = params.str("decodeProfile", None) or profiles.get("decode") or "decode"
-        prefill = params.str("prefillProfile", None) or profiles.get("prefill") or "prefill"
-        decider = params.str("deciderPluginName", None) or deciders.get("prefill")
-        primary_port = params.int("primaryPort", 0, minimum=0, maximum=65535)
-        params.done()
+    def from_params(cls, name: str, params: DisaggProfileHandlerParameters,
+                    handle: PluginHandle) -> DisaggProfileHandler:
+        profiles = params.profiles or {}
+        deciders = params.deciders or {}
+        decode = params.decode_profile or profiles.get("decode") or "decode"
+        prefill = params.prefill_profile or profiles.get("prefill") or "prefill"
+        decider = params.decider_plugin_name or deciders.get("prefill")
         return cls(name, str(decode), str(prefill), str(decider) if decider else None,
-                   primary_port or None)
+                   params.primary_port or None)
 
     def bind(self, handle: PluginHandle) -> None:
         if self.decider_name is None:
@@ -185,14 +212,14 @@ class DisaggProfileHandler:
                               "always-disagg-pd-decider)")
         self.decider = d
 
-    def check_profiles(self, names: set[str]) -> None:
+    def check_profiles(self, names: AbstractSet[str]) -> None:
         if self.decode_profile not in names:
             raise ConfigError(f"{self.name}: no scheduling profile named {self.decode_profile!r} "
                               "(the decode profile)")
 
     def pick(self, state: CycleState, request: LLMRequest,
-             profiles: Mapping[str, SchedulerProfile],
-             results: Mapping[str, ProfileRunResult | None]) -> Mapping[str, SchedulerProfile]:
+             profiles: Mapping[str, Profile],
+             results: Mapping[str, ProfileRunResult | None]) -> Mapping[str, Profile]:
         if not results:
             return {self.decode_profile: profiles[self.decode_profile]}
         if self.prefill_profile in results or self.prefill_profile not in profiles:
@@ -201,6 +228,7 @@ class DisaggProfileHandler:
         if decode is None or not decode.endpoints:
             return {}
         chosen = decode.endpoints[0]
+        assert self.decider is not None, "bind() not called"
         if not self.decider.disaggregate(state, request, chosen):
             return {}
         state[DECODE_ENDPOINT_KEY] = chosen
@@ -235,6 +263,17 @@ class PdProfileHandler(DisaggProfileHandler):
 
     type_name = "pd-profile-handler"
 
+    @dataclass(frozen=True)
+    class Parameters:
+        threshold: int = param("threshold", 0, minimum=0)
+        decode_profile: str = param("decodeProfile", "decode")
+        prefill_profile: str = param("prefillProfile", "prefill")
+        prefix_plugin_name: str | None = param("prefixPluginName")
+        # Accepted for compatibility; the prefix plugin's own type and block size are used.
+        prefix_plugin_type: str | None = param("prefixPluginType")
+        hash_block_size: int = param("hashBlockSize", 64, minimum=1)
+        primary_port: int = param("primaryPort", 0, minimum=0, maximum=65535)
+
     def __init__(self, name: str, decode_profile: str, prefill_profile: str, threshold: int,
                  prefix_plugin: str | None, primary_port: int | None = None) -> None:
         super().__init__(name, decode_profile, prefill_profile, None, primary_port)
@@ -242,16 +281,11 @@ class PdProfileHandler(DisaggProfileHandler):
         self.prefix_plugin = prefix_plugin
 
     @classmethod
-    def from_params(cls, name: str, params: Params, handle: PluginHandle) -> "PdProfileHandler":
-        threshold = params.int("threshold", 0, minimum=0)
-        decode = params.str("decodeProfile", "decode") or "decode"
-        prefill = params.str("prefillProfile", "prefill") or "prefill"
-        prefix_name = params.str("prefixPluginName", None)
-        params.str("prefixPluginType", None)  # accepted for compatibility; the type is fixed
-        params.int("hashBlockSize", 64, minimum=1)  # the prefix plugin's own size is used
-        primary_port = params.int("primaryPort", 0, minimum=0, maximum=65535)
-        params.done()
-        return cls(name, decode, prefill, threshold, prefix_name, primary_port or None)
+    def from_params(cls, name: str,  # type: ignore[override]  # its own parameters
+                    params: PdProfileHandler.Parameters,
+                    handle: PluginHandle) -> PdProfileHandler:
+        return cls(name, params.decode_profile or "decode", params.prefill_profile or "prefill",
+                   params.threshold, params.prefix_plugin_name, params.primary_port or None)
 
     def bind(self, handle: PluginHandle) -> None:
         decider = _ThresholdDecider(f"{self.name}-threshold", self.threshold)
@@ -267,15 +301,18 @@ class PrefillHeaderHandler:
 
     type_name = "prefill-header-handler"
 
+    @dataclass(frozen=True)
+    class Parameters:
+        prefill_profile: str = param("prefillProfile", "prefill")
+
     def __init__(self, name: str, prefill_profile: str = "prefill") -> None:
         self.name = name
         self.prefill_profile = prefill_profile
 
     @classmethod
-    def from_params(cls, name: str, params: Params, handle: PluginHandle) -> "PrefillHeaderHandler":
-        prof = params.str("prefillProfile", "prefill") or "prefill"
-        params.done()
-        return cls(name, prof)
+    def from_params(cls, name: str, params: PrefillHeaderHandler.Parameters,
+                    handle: PluginHandle) -> Self:
+        return cls(name, params.prefill_profile or "prefill")
 
     def request_headers(self, request: LLMRequest, result: SchedulingResult) -> Mapping[str, str]:
         prefill = result.profile_results.get(self.prefill_profile)

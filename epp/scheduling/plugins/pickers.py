@@ -4,15 +4,23 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Self
 
-from epp.config.params import Params
-from epp.config.registry import PluginHandle
+from epp.framework.handle import PluginHandle
+from epp.framework.params import param
 from epp.scheduling.types import CycleState, ProfileRunResult, ScoredEndpoint
+
+
+@dataclass(frozen=True)
+class PickerParameters:
+    max_num_of_endpoints: int = param("maxNumOfEndpoints", 1, minimum=1)
 
 
 class _PickerBase:
     type_name = ""
+    Parameters = PickerParameters
 
     def __init__(self, name: str, max_num_of_endpoints: int = 1,
                  rng: random.Random | None = None) -> None:
@@ -21,10 +29,8 @@ class _PickerBase:
         self._rng = rng or random.Random()
 
     @classmethod
-    def from_params(cls, name: str, params: Params, handle: PluginHandle) -> "_PickerBase":
-        n = params.int("maxNumOfEndpoints", 1, minimum=1)
-        params.done()
-        return cls(name, n)
+    def from_params(cls, name: str, params: PickerParameters, handle: PluginHandle) -> Self:
+        return cls(name, params.max_num_of_endpoints)
 
     @staticmethod
     def _result(chosen: Sequence[ScoredEndpoint]) -> ProfileRunResult:

@@ -23,12 +23,14 @@ block size in characters).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from epp import keys
-from epp.config.params import Params
-from epp.config.registry import PluginHandle
 from epp.errors import ConfigError
+from epp.framework.handle import PluginHandle
+from epp.framework.params import param
 from epp.scheduling.prefix.indexer import PrefixIndex, prompt_block_hashes
 from epp.scheduling.types import CycleState, Endpoint, LLMRequest, SchedulingResult
 
@@ -36,8 +38,50 @@ CHARS_PER_TOKEN = 4
 _STATE_KEY = "prefix-cache"
 
 
+@dataclass(frozen=True)
+class PrefixIndexParameters:
+    """The producer's parameters (also accepted by ``prefix-cache-scorer``)."""
+
+    hash_block_size: int | None = param("hashBlockSize", None, minimum=1)
+    block_size_tokens: int = param("blockSizeTokens", 16, minimum=1)
+    max_prefix_blocks_to_match: int = param("maxPrefixBlocksToMatch", 256, minimum=1)
+    lru_capacity_per_server: int = param("lruCapacityPerServer", 31_250, minimum=1)
+    auto_tune: bool = param("autoTune", True)
+    balance_abs_threshold: int = param("balanceAbsThreshold", 4, minimum=0)
+    balance_rel_threshold: float = param("balanceRelThreshold", 1.5, minimum=1.0)
+
+
+@dataclass(frozen=True)
+class PrefixScorerParameters:
+    """The same keys, unset by default: a scorer given any of them builds its own
+    producer from them (GIE's ``prefix-cache-scorer`` takes them directly)."""
+
+    hash_block_size: int | None = param("hashBlockSize", None, minimum=1)
+    block_size_tokens: int | None = param("blockSizeTokens", None, minimum=1)
+    max_prefix_blocks_to_match: int | None = param("maxPrefixBlocksToMatch", None, minimum=1)
+    lru_capacity_per_server: int | None = param("lruCapacityPerServer", None, minimum=1)
+    auto_tune: bool | None = param("autoTune", None)
+    balance_abs_threshold: int | None = param("balanceAbsThreshold", None, minimum=0)
+    balance_rel_threshold: float | None = param("balanceRelThreshold", None, minimum=1.0)
+
+    def index_parameters(self) -> PrefixIndexParameters | None:
+        """The producer's parameters with these set, or None when none is set."""
+        given = {k: v for k, v in vars(self).items() if v is not None}
+        return PrefixIndexParameters(**given) if given else None
+
+
+def _producer_kwargs(p: PrefixIndexParameters) -> dict[str, Any]:
+    return {"block_size_tokens": p.block_size_tokens,
+            "max_blocks": p.max_prefix_blocks_to_match,
+            "lru_capacity_per_server": p.lru_capacity_per_server,
+            "auto_tune": p.auto_tune, "block_chars": p.hash_block_size,
+            "balance_abs_threshold": p.balance_abs_threshold,
+            "balance_rel_threshold": p.balance_rel_threshold}
+
+
 class ApproxPrefixCacheProducer:
     type_name = "approx-prefix-cache-producer"
+    Parameters = PrefixIndexParameters
 
     def __init__(self, name: str, block_size_tokens: int = 16, max_blocks: int = 256,
                  lru_capacity_per_server: int = 31_250, auto_tune: bool = True,
@@ -54,36 +98,24 @@ class ApproxPrefixCacheProducer:
         self.balance_rel_threshold = balance_rel_threshold
         self.inflight: dict[str, int] = {}
 
-    @staticmethod
-    def read_params(params: Params) -> dict[str, object]:
-        block_chars = params.int("hashBlockSize", 0, minimum=1) or None
-        return dict(
-            block_size_tokens=params.int("blockSizeTokens", 16, minimum=1),
-            max_blocks=params.int("maxPrefixBlocksToMatch", 256, minimum=1),
-            lru_capacity_per_server=params.int("lruCapacityPerServer", 31_250, minimum=1),
-            auto_tune=params.bool("autoTune", True),
-            block_chars=block_chars,
-            balance_abs_threshold=params.int("balanceAbsThreshold", 4, minimum=0),
-            balance_rel_threshold=params.float("balanceRelThreshold", 1.5, minimum=1.0),
-        )
-
     @classmethod
-    def from_params(cls, name: str, params: Params,
-                    handle: PluginHandle) -> "ApproxPrefixCacheProducer":
-        kw = cls.read_params(params)
-        params.done()
-        return cls(name, **kw)  # type: ignore[arg-type]
+    def from_params(cls, name: str, params: PrefixIndexParameters,
+                    handle: PluginHandle) -> ApproxPrefixCacheProducer:
+        return cls(name, **_producer_kwargs(params))
+
+    def prefix_index_size(self) -> int:
+        return self.index.size()
 
     # --- per request ---
 
     def hashes(self, request: LLMRequest) -> list[int]:
         """The request's block hashes, computed once per request."""
-        cached = request.plugin_state.get(self.name)
+        cached: list[int] | None = request.plugin_state.get(self.name)
         if cached is None:
             cached = prompt_block_hashes(request.prompt, request.target_model,
                                          request.cache_salt, self.block_chars, self.max_blocks)
             request.plugin_state[self.name] = cached
-        return cached  # type: ignore[no-any-return]
+        return cached
 
     def _tune(self, endpoints: Sequence[Endpoint]) -> None:
         """autoTune: capacity from the pod's cache_config_info (blocks × block size)."""
@@ -99,15 +131,15 @@ class ApproxPrefixCacheProducer:
     def match(self, state: CycleState, request: LLMRequest,
               endpoints: Sequence[Endpoint]) -> tuple[int, dict[str, int]]:
         """(total blocks, matched blocks per endpoint key), cached in the cycle state."""
-        key = (_STATE_KEY, self.name)
-        cached = state.get(key)  # type: ignore[call-overload]
+        key = f"{_STATE_KEY}/{self.name}"
+        cached = state.get(key)
         if cached is not None and cached[0] is endpoints:
-            return cached[1], cached[2]  # type: ignore[no-any-return]
+            return cached[1], cached[2]
         if self.auto_tune:
             self._tune(endpoints)
         hashes = self.hashes(request)
         matched = self.index.match(hashes, (e.key for e in endpoints)) if hashes else {}
-        state[key] = (endpoints, len(hashes), matched)  # type: ignore[index]
+        state[key] = (endpoints, len(hashes), matched)
         return len(hashes), matched
 
     def hot(self, endpoints: Sequence[Endpoint]) -> set[str]:
@@ -149,25 +181,21 @@ class PrefixCacheScorer:
     """matched / total prompt blocks per endpoint (0 for prompts shorter than a block)."""
 
     type_name = "prefix-cache-scorer"
+    Parameters = PrefixScorerParameters
 
-    def __init__(self, name: str, own_params: dict[str, object] | None = None) -> None:
+    def __init__(self, name: str, own_params: PrefixIndexParameters | None = None) -> None:
         self.name = name
         self._own_params = own_params
         self.producer: ApproxPrefixCacheProducer | None = None
 
     @classmethod
-    def from_params(cls, name: str, params: Params, handle: PluginHandle) -> "PrefixCacheScorer":
-        given = any(params.raw(k) is not None for k in (
-            "hashBlockSize", "blockSizeTokens", "maxPrefixBlocksToMatch",
-            "lruCapacityPerServer", "autoTune", "balanceAbsThreshold", "balanceRelThreshold"))
-        kw = ApproxPrefixCacheProducer.read_params(params)
-        params.done()
-        return cls(name, kw if given else None)
+    def from_params(cls, name: str, params: PrefixScorerParameters,
+                    handle: PluginHandle) -> PrefixCacheScorer:
+        return cls(name, params.index_parameters())
 
     def bind(self, handle: PluginHandle) -> None:
         """After every plugin is built: find the producer, or create one."""
-        producers = [p for p in handle.plugins.values()
-                     if isinstance(p, ApproxPrefixCacheProducer)]
+        producers = handle.of_type(ApproxPrefixCacheProducer)
         if len(producers) > 1:
             raise ConfigError(f"{self.name}: more than one approx-prefix-cache-producer; "
                               "keep one")
@@ -177,9 +205,9 @@ class PrefixCacheScorer:
                                   "and approx-prefix-cache-producer; set them on the producer")
             self.producer = producers[0]
             return
-        self.producer = ApproxPrefixCacheProducer(f"{self.name}-producer",
-                                                  **(self._own_params or {}))  # type: ignore[arg-type]
-        handle.plugins[self.producer.name] = self.producer
+        self.producer = ApproxPrefixCacheProducer(
+            f"{self.name}-producer", **_producer_kwargs(self._own_params or PrefixIndexParameters()))
+        handle.add(self.producer)
 
     def score(self, state: CycleState, request: LLMRequest,
               endpoints: Sequence[Endpoint]) -> Sequence[float]:

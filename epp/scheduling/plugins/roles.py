@@ -18,12 +18,14 @@ order). See docs/disaggregation.md.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Self
 
 from epp import keys
-from epp.config.params import Params
-from epp.config.registry import PluginHandle
 from epp.errors import ConfigError
+from epp.framework.handle import PluginHandle
+from epp.framework.params import param
 from epp.scheduling.types import CycleState, Endpoint, LLMRequest
 
 
@@ -34,18 +36,23 @@ def endpoint_role(e: Endpoint, label: str) -> str | None:
     return role.lower() if role is not None else None
 
 
+@dataclass(frozen=True)
+class RoleFilterParameters:
+    role_label: str = param("roleLabel", keys.LABEL_ROLE)
+
+
 class _RoleFilter:
     type_name = ""
+    Parameters = RoleFilterParameters
 
     def __init__(self, name: str, role_label: str = keys.LABEL_ROLE) -> None:
         self.name = name
         self.role_label = role_label
 
     @classmethod
-    def from_params(cls, name: str, params: Params, handle: PluginHandle) -> "_RoleFilter":
-        label = params.str("roleLabel", keys.LABEL_ROLE) or keys.LABEL_ROLE
-        params.done()
-        return cls(name, label)
+    def from_params(cls, name: str, params: RoleFilterParameters,
+                    handle: PluginHandle) -> Self:
+        return cls(name, params.role_label or keys.LABEL_ROLE)
 
 
 class DecodeFilter(_RoleFilter):
@@ -73,10 +80,35 @@ class PrefillFilter(_RoleFilter):
         return [e for e in endpoints if endpoint_role(e, self.role_label) == keys.ROLE_PREFILL]
 
 
+def _index_labels(raw: Any, path: str) -> tuple[str, ...]:
+    if (not isinstance(raw, list) or not raw
+            or not all(isinstance(x, str) and x.strip() for x in raw)):
+        raise ConfigError(f"{path}: expected a non-empty list of label keys (the pod's index "
+                          "in its multi-node group)")
+    return tuple(x.strip() for x in raw)
+
+
+def _leader_index(raw: Any, path: str) -> str:
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        return str(raw)
+    if not isinstance(raw, str) or not raw:
+        raise ConfigError(f"{path}: expected the leader's index label value, e.g. \"0\"; "
+                          f"got {raw!r}")
+    return raw
+
+
+@dataclass(frozen=True)
+class LeaderFilterParameters:
+    index_labels: tuple[str, ...] = param("indexLabels", (keys.LABEL_LWS_WORKER_INDEX,),
+                                          parse=_index_labels)
+    leader_index: str = param("leaderIndex", "0", parse=_leader_index)
+
+
 class LeaderFilter:
     """Keeps single-pod servers and the leaders of multi-node groups (order kept)."""
 
     type_name = "leader-filter"
+    Parameters = LeaderFilterParameters
 
     def __init__(self, name: str, index_labels: Sequence[str] = (keys.LABEL_LWS_WORKER_INDEX,),
                  leader_index: str = "0") -> None:
@@ -85,26 +117,9 @@ class LeaderFilter:
         self.leader_index = leader_index
 
     @classmethod
-    def from_params(cls, name: str, params: Params, handle: PluginHandle) -> "LeaderFilter":
-        raw = params.raw("indexLabels")
-        if raw is None:
-            labels: Sequence[str] = (keys.LABEL_LWS_WORKER_INDEX,)
-        elif (not isinstance(raw, list) or not raw
-              or not all(isinstance(x, str) and x.strip() for x in raw)):
-            raise ConfigError(f"{params.path}.indexLabels: expected a non-empty list of label "
-                              "keys (the pod's index in its multi-node group)")
-        else:
-            labels = [x.strip() for x in raw]
-        leader = params.raw("leaderIndex")
-        if leader is None:
-            leader = "0"
-        elif isinstance(leader, int) and not isinstance(leader, bool):
-            leader = str(leader)
-        elif not isinstance(leader, str) or not leader:
-            raise ConfigError(f"{params.path}.leaderIndex: expected the leader's index label "
-                              f"value, e.g. \"0\"; got {leader!r}")
-        params.done()
-        return cls(name, labels, leader)
+    def from_params(cls, name: str, params: LeaderFilterParameters,
+                    handle: PluginHandle) -> LeaderFilter:
+        return cls(name, params.index_labels, params.leader_index)
 
     def is_leader(self, e: Endpoint) -> bool:
         for key in self.index_labels:

@@ -24,20 +24,48 @@ Parameters (GIE's): ``queueDepthThreshold`` (5, > 0), ``kvCacheUtilThreshold`` (
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-from epp.config.params import Params
-from epp.config.registry import PluginHandle
 from epp.errors import ConfigError
+from epp.framework.handle import PluginHandle
+from epp.framework.params import param, positive_duration
 from epp.scheduling.types import CycleState, Endpoint, LLMRequest
+
+DEFAULT_QUEUE_DEPTH = 5
+DEFAULT_KV_UTIL = 0.8
+DEFAULT_STALENESS = 0.2
+DEFAULT_HEADROOM = 0.0
+
+
+def _kv_threshold(v: Any, path: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ConfigError(f"{path}: expected a number, got {v!r}")
+    if v > 1.0:
+        raise ConfigError(f"{path}: must be <= 1.0, got {v}")
+    if not v > 0:
+        raise ConfigError(f"{path}: must be in (0, 1], got {v:g}")
+    return float(v)
+
+
+@dataclass(frozen=True)
+class UtilizationDetectorParameters:
+    queue_depth_threshold: int = param("queueDepthThreshold", DEFAULT_QUEUE_DEPTH, minimum=1)
+    kv_cache_util_threshold: float = param("kvCacheUtilThreshold", DEFAULT_KV_UTIL,
+                                           parse=_kv_threshold)
+    metrics_staleness_threshold: float = param("metricsStalenessThreshold", DEFAULT_STALENESS,
+                                               parse=positive_duration)
+    headroom: float = param("headroom", DEFAULT_HEADROOM, minimum=0.0)
 
 
 class UtilizationDetector:
     type_name = "utilization-detector"
-    DEFAULT_QUEUE_DEPTH = 5
-    DEFAULT_KV_UTIL = 0.8
-    DEFAULT_STALENESS = 0.2
-    DEFAULT_HEADROOM = 0.0
+    Parameters = UtilizationDetectorParameters
+    DEFAULT_QUEUE_DEPTH = DEFAULT_QUEUE_DEPTH
+    DEFAULT_KV_UTIL = DEFAULT_KV_UTIL
+    DEFAULT_STALENESS = DEFAULT_STALENESS
+    DEFAULT_HEADROOM = DEFAULT_HEADROOM
 
     def __init__(self, name: str, queue_depth_threshold: int = DEFAULT_QUEUE_DEPTH,
                  kv_cache_util_threshold: float = DEFAULT_KV_UTIL,
@@ -52,19 +80,10 @@ class UtilizationDetector:
         self._clock = clock
 
     @classmethod
-    def from_params(cls, name: str, params: Params,
-                    handle: PluginHandle) -> "UtilizationDetector":
-        queue = params.int("queueDepthThreshold", cls.DEFAULT_QUEUE_DEPTH, minimum=1)
-        kv = params.float("kvCacheUtilThreshold", cls.DEFAULT_KV_UTIL, maximum=1.0)
-        if not kv > 0:
-            raise ConfigError(f"{params.path}.kvCacheUtilThreshold: must be in (0, 1], got {kv:g}")
-        stale = params.duration("metricsStalenessThreshold", cls.DEFAULT_STALENESS)
-        if not stale > 0:
-            raise ConfigError(f"{params.path}.metricsStalenessThreshold: must be > 0, "
-                              f"got {stale:g}s")
-        headroom = params.float("headroom", cls.DEFAULT_HEADROOM, minimum=0.0)
-        params.done()
-        return cls(name, queue, kv, stale, headroom)
+    def from_params(cls, name: str, params: UtilizationDetectorParameters,
+                    handle: PluginHandle) -> UtilizationDetector:
+        return cls(name, params.queue_depth_threshold, params.kv_cache_util_threshold,
+                   params.metrics_staleness_threshold, params.headroom)
 
     def _stale(self, e: Endpoint, now: float) -> bool:
         return e.metrics.is_stale(now, self.metrics_staleness_threshold)

@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Self
 
-from epp.config.params import Params
-from epp.config.registry import PluginHandle
+from epp.framework.handle import PluginHandle
+from epp.framework.params import NoParameters
 from epp.scheduling.types import CycleState, Endpoint, LLMRequest
 
 
 class _NoParams:
     type_name = ""
+    Parameters = NoParameters
 
     def __init__(self, name: str) -> None:
         self.name = name
 
     @classmethod
-    def from_params(cls, name: str, params: Params, handle: PluginHandle) -> "_NoParams":
-        params.done()
+    def from_params(cls, name: str, params: NoParameters, handle: PluginHandle) -> Self:
         return cls(name)
 
 
@@ -46,7 +47,7 @@ class KVCacheUtilizationScorer(_NoParams):
         out = []
         for e in endpoints:
             u = e.metrics.kv_cache_usage
-            out.append(1.0 - (0.0 if u < 0.0 else 1.0 if u > 1.0 else u))
+            out.append(1.0 - (0.0 if u < 0.0 else min(u, 1.0)))
         return out
 
 

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import base64
 import binascii
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from epp import keys
-from epp.config.params import Params
-from epp.config.registry import PluginHandle
+from epp.framework.handle import PluginHandle
+from epp.framework.params import NoParameters
 from epp.scheduling.types import CycleState, Endpoint, LLMRequest, SchedulingResult
 
 
@@ -45,14 +45,14 @@ class SessionAffinityScorer:
     """1 for the endpoint named by the request's ``x-session-token``, 0 for the others."""
 
     type_name = "session-affinity-scorer"
+    Parameters = NoParameters
 
     def __init__(self, name: str) -> None:
         self.name = name
 
     @classmethod
-    def from_params(cls, name: str, params: Params,
-                    handle: PluginHandle) -> "SessionAffinityScorer":
-        params.done()
+    def from_params(cls, name: str, params: NoParameters,
+                    handle: PluginHandle) -> SessionAffinityScorer:
         return cls(name)
 
     @staticmethod

@@ -21,12 +21,14 @@ candidate scores 0 and nothing is filtered.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from epp import keys
-from epp.config.params import Params
-from epp.config.registry import PluginHandle
 from epp.errors import ConfigError
+from epp.framework.handle import PluginHandle
+from epp.framework.params import param
 from epp.scheduling.plugins.pd import DECODE_ENDPOINT_KEY
 from epp.scheduling.types import CycleState, Endpoint, LLMRequest
 
@@ -59,8 +61,31 @@ def shared_level(a: Endpoint, b: Endpoint, levels: Sequence[tuple[str, ...]]) ->
     return None
 
 
+def _levels(raw: Any, path: str) -> tuple[str, ...]:
+    if (not isinstance(raw, list) or not raw
+            or not all(isinstance(x, str) and x.strip() for x in raw)):
+        raise ConfigError(f"{path}: expected a non-empty list of label keys (strongest first; "
+                          "join keys that must all match with '+')")
+    return tuple(raw)
+
+
+def _mode(raw: Any, path: str) -> str:
+    if not isinstance(raw, str):
+        raise ConfigError(f"{path}: expected a string, got {raw!r}")
+    if raw not in ("preferred", "required"):
+        raise ConfigError(f"{path}: expected 'preferred' or 'required', got {raw!r}")
+    return str(raw)
+
+
+@dataclass(frozen=True)
+class TopologyAffinityParameters:
+    levels: tuple[str, ...] = param("levels", DEFAULT_LEVELS, parse=_levels)
+    mode: str = param("mode", "preferred", parse=_mode)
+
+
 class TopologyAffinityScorer:
     type_name = "topology-affinity-scorer"
+    Parameters = TopologyAffinityParameters
 
     def __init__(self, name: str, levels: Sequence[str] = DEFAULT_LEVELS,
                  required: bool = False) -> None:
@@ -69,23 +94,9 @@ class TopologyAffinityScorer:
         self.required = required
 
     @classmethod
-    def from_params(cls, name: str, params: Params,
-                    handle: PluginHandle) -> "TopologyAffinityScorer":
-        raw = params.raw("levels")
-        if raw is None:
-            levels: Sequence[str] = DEFAULT_LEVELS
-        elif (not isinstance(raw, list) or not raw
-              or not all(isinstance(x, str) and x.strip() for x in raw)):
-            raise ConfigError(f"{params.path}.levels: expected a non-empty list of label keys "
-                              "(strongest first; join keys that must all match with '+')")
-        else:
-            levels = raw
-        mode = params.str("mode", "preferred")
-        if mode not in ("preferred", "required"):
-            raise ConfigError(f"{params.path}.mode: expected 'preferred' or 'required', "
-                              f"got {mode!r}")
-        params.done()
-        return cls(name, levels, mode == "required")
+    def from_params(cls, name: str, params: TopologyAffinityParameters,
+                    handle: PluginHandle) -> TopologyAffinityScorer:
+        return cls(name, params.levels, params.mode == "required")
 
     def _levels_of(self, state: CycleState, endpoints: Sequence[Endpoint]) -> list[int | None] | None:
         decode = state.get(DECODE_ENDPOINT_KEY)

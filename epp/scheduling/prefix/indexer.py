@@ -15,7 +15,7 @@ one reverse-map membership, ~200 bytes in CPython).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import xxhash
 

@@ -3,6 +3,9 @@
 Bounded by a request count and a duration; stops by itself. Requests are streamed chat
 completions so time-to-first-token (TTFT) is measured at the client; usage
 (`prompt_tokens`, `prompt_tokens_details.cached_tokens`) comes from the last SSE event.
+
+The load generator of ``epp demo`` (:mod:`epp.stack.demo`); ``bench/pd.py`` runs it too,
+and ``epp bench`` sends its open-loop traces with :func:`stream_chat`.
 """
 
 from __future__ import annotations
@@ -11,13 +14,13 @@ import asyncio
 import re
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import aiohttp
 import orjson
 
-from epp.bench.workload import Workload
+from epp.stack.workload import Workload
 
 SERVER_HEADER = "x-sim-server"
 _CONTENT = re.compile(rb'"content":"[^"]')
@@ -52,7 +55,7 @@ class Report:
                        if r.status != 200 or r.error)
 
     def quantile(self, attr: str, q: float) -> float:
-        xs = sorted(getattr(r, attr) for r in self.ok)
+        xs: list[float] = sorted(getattr(r, attr) for r in self.ok)
         if not xs:
             return float("nan")
         return xs[min(len(xs) - 1, int(q * len(xs)))]
@@ -112,7 +115,7 @@ async def stream_chat(session: aiohttp.ClientSession, endpoint: str,
             answer, prompt, cached = _parse_sse(b"".join(chunks))
             lat = time.monotonic() - t0
             return Result(200, server, ttft or lat, lat, prompt, cached), answer
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+    except (TimeoutError, aiohttp.ClientError) as e:
         return Result(0, "", 0.0, time.monotonic() - t0, error=type(e).__name__), ""
 
 

@@ -1,34 +1,48 @@
-"""Extension points of the scheduler, each a small Protocol (design.md §4, §9).
+"""Extension points, each a small Protocol a plugin implements by having its method
+(design.md §4, §9; the contract is docs/architecture.md, "Plugin framework").
 
 Plugins are plain synchronous code over an immutable endpoint snapshot: no I/O.
 Every plugin has ``type_name`` (its config ``type``) and ``name`` (its config ``name``).
+One plugin may implement several extension points (a producer is often a PreRequest,
+ResponseComplete and EndpointRemoved plugin at once); the config loader finds them with
+``isinstance`` against these Protocols, never by looking for attribute names.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping, Protocol, Sequence, runtime_checkable
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from typing import Protocol, runtime_checkable
 
 from epp.scheduling.types import (
     CycleState,
     Endpoint,
     LLMRequest,
     ProfileRunResult,
-    ScoredEndpoint,
     SchedulingResult,
+    ScoredEndpoint,
 )
-
-if TYPE_CHECKING:
-    from epp.scheduling.scheduler import SchedulerProfile
 
 
 @runtime_checkable
 class Plugin(Protocol):
-    """Every plugin. Optional class attribute ``response_needs: frozenset[str]`` —
-    ``{"body"}`` for a plugin that needs response bodies, which the lean gateway shape
-    does not send (the EPP warns at the first such stream; docs/plugins.md)."""
+    """Every plugin."""
 
     type_name: str
     name: str
+
+
+@runtime_checkable
+class Profile(Protocol):
+    """A scheduling profile as a profile handler sees it (the scheduler's
+    ``SchedulerProfile``): filters → weighted scorers → picker over the candidates."""
+
+    name: str
+
+    def run(self, state: CycleState, request: LLMRequest,
+            candidates: Sequence[Endpoint]) -> ProfileRunResult | None:
+        """The profile's pick; ``None`` when its filters leave no endpoint."""
+        ...
 
 
 @runtime_checkable
@@ -62,9 +76,9 @@ class ProfileHandler(Plugin, Protocol):
         self,
         state: CycleState,
         request: LLMRequest,
-        profiles: Mapping[str, SchedulerProfile],
+        profiles: Mapping[str, Profile],
         results: Mapping[str, ProfileRunResult | None],
-    ) -> Mapping[str, SchedulerProfile]:
+    ) -> Mapping[str, Profile]:
         """Profiles to run in the next cycle; empty means scheduling is done."""
         ...
 
@@ -126,5 +140,48 @@ class SaturationDetector(Plugin, Protocol):
         ...
 
 
+@runtime_checkable
+class ChecksProfiles(Plugin, Protocol):
+    """A profile handler that needs particular profiles (e.g. P/D: decode and prefill)."""
+
+    def check_profiles(self, names: AbstractSet[str]) -> None:
+        """Called once at startup with the configured profile names; raise
+        ``ConfigError`` (a message without the file path) when they do not fit."""
+        ...
+
+
+@runtime_checkable
+class DecisionClassifier(Plugin, Protocol):
+    """A profile handler that labels each decision (``pd_decisions_total``)."""
+
+    def decision(self, result: SchedulingResult) -> str:
+        """The decision's kind, e.g. ``disaggregated`` or ``decode-only``."""
+        ...
+
+
+@runtime_checkable
+class PrefixIndexOwner(Plugin, Protocol):
+    """A plugin that keeps a prefix index (``inference_extension_prefix_indexer_size``)."""
+
+    def prefix_index_size(self) -> int:
+        """Entries in the index now."""
+        ...
+
+
+@runtime_checkable
+class NeedsResponse(Plugin, Protocol):
+    """A plugin that needs parts of the response the lean gateway shape does not send:
+    ``response_needs`` holds ``"body"`` for response bodies (the EPP warns at the first
+    such stream; docs/plugins.md)."""
+
+    response_needs: frozenset[str]
+
+
 class PluginTimer(Protocol):
+    """Receives how long each plugin call took (metrics, trace spans)."""
+
     def __call__(self, extension_point: str, plugin: Plugin, seconds: float) -> None: ...
+
+
+def no_timer(extension_point: str, plugin: Plugin, seconds: float) -> None:
+    """A :class:`PluginTimer` that records nothing."""

@@ -1,0 +1,64 @@
+"""The built-in plugin catalog: every built-in plugin type, registered in one place.
+
+Only the config loader imports this module; plugins import the framework
+(:mod:`epp.framework`), never the config package or this catalog.
+"""
+
+from __future__ import annotations
+
+from epp.framework.registry import Registry
+from epp.scheduling.plugins import (
+    filters,
+    handlers,
+    load,
+    lora,
+    nohit,
+    pd,
+    pickers,
+    prefix,
+    roles,
+    saturation,
+    scorers,
+    session,
+    topology,
+)
+
+BUILTIN_PLUGINS: tuple[type, ...] = (
+    handlers.SingleProfileHandler,
+    pickers.MaxScorePicker,
+    pickers.RandomPicker,
+    pickers.WeightedRandomPicker,
+    scorers.QueueScorer,
+    scorers.KVCacheUtilizationScorer,
+    scorers.RunningRequestsSizeScorer,
+    prefix.PrefixCacheScorer,
+    prefix.ApproxPrefixCacheProducer,
+    pd.DisaggProfileHandler,
+    pd.PdProfileHandler,
+    pd.PrefixBasedPDDecider,
+    pd.AlwaysDisaggPDDecider,
+    pd.PrefillHeaderHandler,
+    pd.DisaggHeadersHandler,
+    roles.DecodeFilter,
+    roles.PrefillFilter,
+    roles.LeaderFilter,
+    topology.TopologyAffinityScorer,
+    lora.LoraAffinityScorer,
+    load.LoadAwareScorer,
+    load.ActiveRequestScorer,
+    load.TokenLoadScorer,
+    load.InFlightLoadProducer,
+    session.SessionAffinityScorer,
+    nohit.NoHitLRUScorer,
+    filters.LabelSelectorFilter,
+    filters.ByLabelSelectorFilter,
+    saturation.UtilizationDetector,
+)
+
+
+def default_registry() -> Registry:
+    """A registry holding every built-in plugin type."""
+    reg = Registry()
+    for cls in BUILTIN_PLUGINS:
+        reg.register_class(cls)
+    return reg

@@ -1,0 +1,65 @@
+"""The metrics port: Prometheus ``/metrics`` and ``/debug/decisions`` over HTTP (aiohttp)."""
+
+from __future__ import annotations
+
+import hmac
+
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from epp.observability.explain import DecisionLog
+from epp.server.listeners import StartupError, host_port
+
+
+def metrics_app(registry: CollectorRegistry, decisions: DecisionLog | None,
+                token: str | None) -> web.Application:
+    """``/metrics`` and ``/debug/decisions``; with ``token``, both need it as a bearer
+    token."""
+    expected = f"Bearer {token}" if token else None
+
+    def authorized(request: web.Request) -> bool:
+        return expected is None or hmac.compare_digest(
+            request.headers.get("Authorization", ""), expected)
+
+    async def metrics(request: web.Request) -> web.Response:
+        if not authorized(request):
+            return web.Response(status=401, text="missing or wrong bearer token\n",
+                                headers={"WWW-Authenticate": "Bearer"})
+        return web.Response(body=generate_latest(registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def debug_decisions(request: web.Request) -> web.Response:
+        if not authorized(request):
+            return web.Response(status=401, text="missing or wrong bearer token\n",
+                                headers={"WWW-Authenticate": "Bearer"})
+        if decisions is None:
+            return web.json_response({"error": "decision history is off; start epp serve "
+                                      "with --explain-history N"}, status=404)
+        try:
+            limit = int(request.query.get("limit", "20"))
+        except ValueError:
+            return web.json_response({"error": "limit must be an integer"}, status=400)
+        return web.Response(body=orjson.dumps(decisions.last(limit)),
+                            content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/debug/decisions", debug_decisions)
+    return app
+
+
+async def serve_metrics(app: web.Application, address: str, port: int) -> web.AppRunner:
+    """Listen on ``address:port``; the caller cleans the returned runner up.
+    :class:`StartupError` when the port cannot be bound."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, address, port)
+    try:
+        await site.start()
+    except OSError as e:
+        await runner.cleanup()
+        raise StartupError(f"cannot listen for metrics on {host_port(address, port)}: "
+                           f"{e.strerror or e} (port in use? pick another with "
+                           "--metrics-port)") from e
+    return runner

@@ -1,0 +1,168 @@
+"""The server's object graph, wired from validated options and the built config.
+
+:func:`wire` is a plain function: it makes the objects and connects them — datastore,
+metrics, health, the scheduling core and its Director, the scraper, the endpoints file
+source, the ext_proc servicer — and binds no port, starts no task and reads no file.
+Starting them, in order and each with its cleanup, is epp/server/app.py's job.
+
+Plugins are reached only through the framework's Protocols (epp/framework/interfaces.py):
+:class:`~epp.framework.interfaces.PrefixIndexOwner` feeds the prefix index gauge,
+:class:`~epp.framework.interfaces.NeedsResponse` names the plugins that need response
+bodies; the server names no plugin type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prometheus_client import Counter
+
+from epp.config.loader import BuiltConfig
+from epp.datalayer.engines import EngineMappings
+from epp.datalayer.scraper import MetricsScraper
+from epp.datastore.store import Datastore, RemovalListener
+from epp.discovery.static import StaticFileSource
+from epp.framework.interfaces import (
+    EndpointRemoved,
+    NeedsResponse,
+    Plugin,
+    PluginTimer,
+    PrefixIndexOwner,
+    no_timer,
+)
+from epp.handlers.extproc import ExtProcServicer
+from epp.observability.explain import DecisionLog
+from epp.observability.metrics import EppMetrics
+from epp.observability.tracing import Tracing
+from epp.requestcontrol.director import Director, SchedulingCore
+from epp.server.drain import StreamTracker, TrackedExtProc
+from epp.server.health import HealthReporter
+from epp.server.options import EndpointsFile, ServePlan, StaticEndpoints
+
+
+class PluginTimings:
+    """The :class:`PluginTimer` the config is built with.
+
+    The config is built before what receives the timings exists (the scheduling core
+    takes the built scheduler), so this starts as a no-op and :func:`wire` connects it.
+    """
+
+    def __init__(self) -> None:
+        self._sink: PluginTimer = no_timer
+
+    def connect(self, sink: PluginTimer) -> None:
+        self._sink = sink
+
+    def __call__(self, extension_point: str, plugin: Plugin, seconds: float) -> None:
+        self._sink(extension_point, plugin, seconds)
+
+
+class StreamOutcomes:
+    """Counts ext_proc streams by outcome (``epp_extproc_streams_total``); the label
+    children are cached, ``labels()`` is not free."""
+
+    def __init__(self, metrics: EppMetrics) -> None:
+        self._counter = metrics.extproc_streams
+        self._children: dict[str, Counter] = {}
+
+    def __call__(self, outcome: str) -> None:
+        child = self._children.get(outcome)
+        if child is None:
+            child = self._children[outcome] = self._counter.labels(outcome)
+        child.inc()
+
+
+@dataclass(frozen=True)
+class ServerParts:
+    """What :func:`wire` makes; none of it started."""
+
+    plan: ServePlan
+    built: BuiltConfig
+    store: Datastore
+    metrics: EppMetrics
+    health: HealthReporter
+    decisions: DecisionLog | None  # --explain-history
+    tracing: Tracing | None  # --tracing
+    core: SchedulingCore
+    director: Director
+    scraper: MetricsScraper | None  # None with --no-metrics-scraping
+    endpoints_file: StaticFileSource | None  # --endpoints-file
+    stream_ended: Callable[[str], None]  # ext_proc stream outcomes, local and from fronts
+    tracker: StreamTracker  # ext_proc streams of this process
+    ext_proc: TrackedExtProc | None  # the ext_proc servicer; None with --workers N
+
+
+def wire(plan: ServePlan, built: BuiltConfig, timings: PluginTimings,
+         tracing: Tracing | None) -> ServerParts:
+    """The object graph for ``plan`` and ``built`` (made with ``timings`` as its timer).
+
+    ``tracing`` is made by the caller, which owns its shutdown; Kubernetes discovery is
+    not here either: it needs a connection to the API server (epp/server/app.py).
+    """
+    o = plan.options
+    store = Datastore()
+    metrics = EppMetrics(store)
+    health = HealthReporter()
+    health.require(lambda: store.synced)
+    endpoints_file: StaticFileSource | None = None
+    if isinstance(plan.source, StaticEndpoints):
+        store.set_endpoints(plan.source.endpoints)
+    elif isinstance(plan.source, EndpointsFile):
+        endpoints_file = StaticFileSource(plan.source.path, store, plan.source.poll_interval_s)
+    for plugin in built.endpoint_removed:
+        store.on_removed(_forget_removed(plugin))
+    history = o.observability.explain_history
+    decisions = DecisionLog(history) if history > 0 else None
+    owners = [p for p in built.plugins.values() if isinstance(p, PrefixIndexOwner)]
+    if owners:
+        metrics.track_prefix_index_size(
+            lambda: float(sum(p.prefix_index_size() for p in owners)))
+    core = SchedulingCore(store, built.scheduler, metrics, built.pre_request,
+                          built.response_complete, built.request_headers,
+                          built.response_headers,
+                          explain_header=o.observability.enable_explain_header,
+                          decisions=decisions, tracing=tracing)
+    timings.connect(metrics.observe_plugin if tracing is None
+                    else _fan_out(metrics.observe_plugin, core.plugin_timer))
+    director = Director(core)
+    scraper: MetricsScraper | None = None
+    if o.scraping.enabled:
+        scraper = MetricsScraper(store, o.scraping.scrape,
+                                 EngineMappings(overrides=o.scraping.metric_overrides))
+        # Envoy's word that a pod refused the connection (response attributes): out of
+        # the candidates now, back at the next scrape that gets an answer.
+        core.on_upstream_failure = scraper.report_unreachable
+    stream_ended = StreamOutcomes(metrics)
+    tracker = StreamTracker()
+    ext_proc: TrackedExtProc | None = None
+    if plan.workers == 1:
+        ext_proc = TrackedExtProc(
+            ExtProcServicer(director, o.limits.max_request_body_bytes,
+                            on_stream_end=stream_ended,
+                            max_headers=o.limits.max_request_headers,
+                            body_consumers=body_consumers(built)),
+            tracker)
+    return ServerParts(plan=plan, built=built, store=store, metrics=metrics, health=health,
+                       decisions=decisions, tracing=tracing, core=core, director=director,
+                       scraper=scraper, endpoints_file=endpoints_file,
+                       stream_ended=stream_ended, tracker=tracker, ext_proc=ext_proc)
+
+
+def body_consumers(built: BuiltConfig) -> list[str]:
+    """Configured plugins that declare they need response bodies."""
+    return [name for name, p in built.plugins.items()
+            if isinstance(p, NeedsResponse) and "body" in p.response_needs]
+
+
+def _forget_removed(plugin: EndpointRemoved) -> RemovalListener:
+    """Tells ``plugin`` when an endpoint leaves the pool (it drops what it kept for it)."""
+    return lambda ep: plugin.endpoint_removed(ep.key)
+
+
+def _fan_out(first: PluginTimer, second: PluginTimer) -> PluginTimer:
+    def timer(extension_point: str, plugin: Plugin, seconds: float) -> None:
+        first(extension_point, plugin, seconds)
+        second(extension_point, plugin, seconds)
+
+    return timer

@@ -1,0 +1,149 @@
+"""One simulated pod's state, and what the simulator's HTTP modules share.
+
+:class:`SimState` is an app's state (``app[STATE_KEY]``, one per simulated pod, never
+shared): its name, model, :class:`~epp.sim.config.SimConfig`, engine, Prometheus
+registry, seeded random source, the ``/debug/requests`` log and the P/D counters
+(:class:`PdStats`). Also here: the OpenAI-style error (:class:`HttpError`,
+:func:`error_response`) and the small helpers :mod:`epp.sim.openai_api`,
+:mod:`epp.sim.sidecar` and :mod:`epp.sim.app` all use.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import aiohttp
+import orjson
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from epp.sim.config import SimConfig
+from epp.sim.engine import Engine
+from epp.sim.topology import PeerTopology
+
+__all__ = [
+    "DEBUG_LOG_SIZE",
+    "DEFAULT_MAX_TOKENS",
+    "JSON_CONTENT_TYPE",
+    "RECORD_KEY",
+    "SIM_SERVER_HEADER",
+    "STATE_KEY",
+    "HttpError",
+    "Json",
+    "PdStats",
+    "SimState",
+    "error_response",
+    "json_response",
+    "local_port",
+]
+
+SIM_SERVER_HEADER: Final = "x-sim-server"
+DEFAULT_MAX_TOKENS: Final = 16
+DEBUG_LOG_SIZE: Final = 1000
+JSON_CONTENT_TYPE: Final = "application/json"
+
+Json = dict[str, Any]
+
+
+@dataclass
+class SimState:
+    """Per-app state (one simulated pod). Owned by its app, never shared."""
+
+    name: str
+    model: str
+    config: SimConfig
+    engine: Engine
+    registry: CollectorRegistry
+    rng: random.Random
+    delay_s: float = 0.0
+    requests: deque[Json] = field(default_factory=lambda: deque(maxlen=DEBUG_LOG_SIZE))
+    address: str = "127.0.0.1"
+    """The address this pod is known by (for finding its own entry in ``peers``)."""
+    topology: dict[str, str] | None = None
+    """This pod's topology (``--topology``); None: look it up in ``peers``."""
+    peers: PeerTopology | None = None
+    """Topologies of the pods in the endpoints file (``--peer-topology-file``)."""
+    pd: PdStats = field(default_factory=lambda: PdStats())
+    http: aiohttp.ClientSession | None = None
+
+    def inject_error(self) -> bool:
+        """Draw once from the seeded source: True with probability ``error_rate``."""
+        rate = self.config.error_rate
+        return rate > 0 and self.rng.random() < rate
+
+    def own_topology(self, port: int) -> dict[str, str] | None:
+        if self.topology:
+            return self.topology
+        if self.peers is None:
+            return None
+        return self.peers.own(self.address, port)
+
+    def client(self) -> aiohttp.ClientSession:
+        """The HTTP client for prefill requests (created on first use, closed with the
+        app)."""
+        if self.http is None or self.http.closed:
+            self.http = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.config.prefill_timeout_s),
+                connector=aiohttp.TCPConnector(limit=0),
+            )
+        return self.http
+
+
+@dataclass
+class PdStats:
+    """Decode role: what the decode sidecar did (``GET /debug/state`` → ``pd``)."""
+
+    remote_prefills: int = 0
+    """Requests prefilled by a prefill pod (its answer was 2xx)."""
+    prefill_failures: int = 0
+    """Prefill pods that failed or could not be reached."""
+    fallbacks: int = 0
+    """Of those, requests then prefilled locally (``prefill_failure = fallback``)."""
+    by_distance: dict[str, int] = field(default_factory=dict)
+    """Remote prefills by the prefill pod's distance (``node`` … ``other``, ``unknown``)."""
+    by_prefiller: dict[str, int] = field(default_factory=dict)
+    """Remote prefills by prefill pod (``address:port``)."""
+
+    def as_dict(self) -> Json:
+        return {
+            "remote_prefills": self.remote_prefills,
+            "prefill_failures": self.prefill_failures,
+            "fallbacks": self.fallbacks,
+            "by_distance": dict(self.by_distance),
+            "by_prefiller": dict(self.by_prefiller),
+        }
+
+
+STATE_KEY: Final = web.AppKey("sim_state", SimState)
+RECORD_KEY: Final = web.RequestKey("epp_sim_debug_record", dict)
+"""Request key of the request's ``/debug/requests`` record (handlers add to it)."""
+
+
+class HttpError(Exception):
+    """Becomes an OpenAI error response with ``status``."""
+
+    def __init__(self, status: int, message: str, err_type: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.err_type = err_type
+
+
+def json_response(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type=JSON_CONTENT_TYPE)
+
+
+def error_response(message: str, status: int = 400,
+                   err_type: str = "BadRequestError") -> web.Response:
+    """An OpenAI error body ``{"error": {"message", "type", "code"}}`` with ``status``."""
+    return json_response(
+        {"error": {"message": message, "type": err_type, "code": status}}, status=status
+    )
+
+
+def local_port(request: web.Request) -> int:
+    """The port ``request`` arrived on (0 if unknown)."""
+    sockname = request.transport.get_extra_info("sockname") if request.transport else None
+    return int(sockname[1]) if isinstance(sockname, tuple) and len(sockname) >= 2 else 0

@@ -95,10 +95,10 @@ class ExplainObserver(Observer):
                     header_allowed: bool) -> ExplainObserver | None:
         """The observer ``request`` needs, or ``None`` when nobody wants its record:
         there is no history and the header is not allowed or not asked for."""
-        asks = asks_for_explain(request.headers)
-        if log is None and not (header_allowed and asks):
+        header = header_allowed and asks_for_explain(request.headers)
+        if log is None and not header:
             return None
-        return cls(log, asks)
+        return cls(log, header)
 
     def started(self, request: LLMRequest, candidates: Sequence[Endpoint]) -> None:
         self.record = new_record(request.request_id, request.incoming_model,

@@ -252,22 +252,40 @@ class LeaderElector:
             return False
 
     async def _release(self) -> None:
-        """Clear the holder so a standby takes over at once (client-go's release)."""
+        """Clear the holder so a standby takes over at once (client-go's release).
+
+        A renewal cut short by the stop may have reached the API server after all, which
+        leaves this replica a stale copy of the Lease: the release then conflicts (409);
+        it re-reads the Lease and, if this replica still holds it, tries once more."""
         lease = self._lease
         if lease is None or self._holder() != self.options.identity:
             return
-        now = _micro_time(datetime.now(UTC))
-        spec = dict(lease.get("spec") or {})
-        spec.update(holderIdentity="", leaseDurationSeconds=1, renewTime=now,
-                    acquireTime=now)
-        body = dict(lease)
-        body["spec"] = spec
-        try:
-            status, result = await self.api.request("PUT", self._item_path, body=body,
-                                                    timeout_s=2.0)
-        except (aiohttp.ClientError, OSError, TimeoutError) as e:
-            log.warning("leader election: could not release the Lease: %s", e)
-            return
+        for attempt in range(2):
+            now = _micro_time(datetime.now(UTC))
+            spec = dict(lease.get("spec") or {})
+            spec.update(holderIdentity="", leaseDurationSeconds=1, renewTime=now,
+                        acquireTime=now)
+            body = dict(lease)
+            body["spec"] = spec
+            try:
+                status, result = await self.api.request("PUT", self._item_path, body=body,
+                                                        timeout_s=2.0)
+                if status == 409 and attempt == 0:
+                    status, fresh = await self.api.request("GET", self._item_path,
+                                                           timeout_s=2.0)
+                    if not (200 <= status < 300 and isinstance(fresh, dict)):
+                        log.warning("leader election: could not release the Lease: HTTP %d "
+                                    "re-reading it: %s", status, status_reason(fresh))
+                        return
+                    if str((fresh.get("spec") or {}).get("holderIdentity") or "") \
+                            != self.options.identity:
+                        return  # another replica holds it now: nothing to release
+                    lease = fresh
+                    continue
+            except (aiohttp.ClientError, OSError, TimeoutError) as e:
+                log.warning("leader election: could not release the Lease: %s", e)
+                return
+            break
         if 200 <= status < 300:
             log.info("leader election: released Lease %s/%s", self.options.namespace,
                      self.options.name)

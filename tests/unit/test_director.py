@@ -260,6 +260,22 @@ async def test_explain_header_needs_the_flag_and_the_request_header() -> None:
     assert "x-epp-explain" not in r.context.response_headers
 
 
+async def test_explain_history_does_not_send_the_record_to_clients() -> None:
+    """--explain-history without --enable-explain-header: the record is kept for the
+    admin endpoint, and a client asking for it with the header still does not get it."""
+    from epp.observability.explain import DecisionLog
+
+    history = DecisionLog(10)
+    d = Director(_core(decisions=history))
+    r = await d.route({**H, "x-epp-explain": "true"}, CHAT, True, None)
+    assert "x-epp-explain" not in r.context.response_headers
+    assert history.last()[0]["destination"] == r.destination
+    d = Director(_core(decisions=history, explain_header=True))
+    r = await d.route({**H, "x-epp-explain": "true"}, CHAT, True, None)
+    assert orjson.loads(r.context.response_headers["x-epp-explain"])["destination"] \
+        == r.destination
+
+
 async def test_a_plugin_crash_is_500_counted_and_not_recorded() -> None:
     from epp.errors import EppError
     from epp.observability.explain import DecisionLog

@@ -135,3 +135,17 @@ async def test_conflicting_updates_leave_one_winner(fake: FakeApiServer,
     assert sum(e.is_leader for e in es) == 1
     assert fake.requests[("PUT", "leases", "put")] >= 1
     assert fake.get("leases", LEASE)["spec"]["leaseTransitions"] == 5  # type: ignore[index]
+
+
+async def test_release_after_a_renewal_it_did_not_see_still_releases(
+        fake: FakeApiServer, electors: Callable[..., LeaderElector]) -> None:
+    """A renewal cut short by the stop may land on the API server anyway, leaving the
+    elector a stale copy of its Lease: the release conflicts (409), re-reads the Lease
+    and releases it, so a standby need not wait out the lease."""
+    a = electors("a", lease_s=3.0, renew_s=2.0, retry_s=1.0)
+    await eventually(lambda: a.is_leader)
+    lease = fake.get("leases", LEASE)
+    assert lease is not None
+    fake.put("leases", lease)  # same holder, new resourceVersion: a's copy is stale now
+    await a.stop()
+    assert holder(fake) == ""

@@ -101,8 +101,10 @@ async def measure(epp_dir: Path, streams: int, chunks: int, concurrency: int,
     """(µs of EPP CPU per stream, µs per response-chunk message pair) for one build."""
     port = free_port()
     proc = ManagedProcess(
-        [sys.executable, "-m", "epp.cli", "serve", "--drain-quiet-period", "0",
-         "--bind-address", "127.0.0.1", "--grpc-port", str(port), "--grpc-health-port",
+        # Plaintext whatever the build's default; not LOCAL_SERVE_FLAGS: older builds
+        # given with --epp refuse --tracing=false (there --tracing took no value).
+        [sys.executable, "-m", "epp.cli", "serve", "--secure-serving=false",
+         "--drain-quiet-period", "0", "--bind-address", "127.0.0.1", "--grpc-port", str(port), "--grpc-health-port",
          str(free_port()), "--metrics-port", str(free_port()), "--endpoints", "127.0.0.1:9",
          "--no-metrics-scraping", "--log-level", "warning"],
         log_path=work / f"epp-{port}.log", cwd=epp_dir,

@@ -28,7 +28,7 @@ from epp.stack.envoy import (
     render_envoy_config,
     without_ext_proc,
 )
-from epp.stack.procs import ManagedProcess, free_port, wait_port
+from epp.stack.procs import LOCAL_SERVE_FLAGS, ManagedProcess, free_port, wait_port
 
 
 def quantile(xs: list[float], q: float) -> float:
@@ -66,7 +66,7 @@ async def main_async(args: argparse.Namespace) -> None:
     grpc_port = free_port()
     sim_argv = [sys.executable, "-m", "epp.cli", "sim"] + [a for p in pods for a in ("--port", str(p))]
     sims = ManagedProcess(sim_argv, log_path=work / "sim.log")
-    epp = ManagedProcess([sys.executable, "-m", "epp.cli", "serve", "--drain-quiet-period", "0", "--bind-address", "127.0.0.1",
+    epp = ManagedProcess([sys.executable, "-m", "epp.cli", "serve", *LOCAL_SERVE_FLAGS, "--drain-quiet-period", "0", "--bind-address", "127.0.0.1",
                           "--grpc-port", str(grpc_port), "--grpc-health-port", str(free_port()),
                           "--metrics-port", str(free_port()), "--log-level", "warning",
                           "--endpoints", ",".join(f"127.0.0.1:{p}" for p in pods)],

@@ -74,7 +74,7 @@ import yaml
 
 from bench.throughput import cpu_seconds as cpu_s
 from epp.stack.envoy import BODY_MODES, RESPONSE_PATHS, EnvoyProcess, render_envoy_config
-from epp.stack.procs import ManagedProcess, free_port, wait_port
+from epp.stack.procs import LOCAL_SERVE_FLAGS, ManagedProcess, free_port, wait_port
 
 MODEL = "sim-model"
 PODS = 3
@@ -673,8 +673,8 @@ async def main_async(args: argparse.Namespace) -> int:
                 "--num-gpu-blocks", str(args.sim_blocks)]
     for p in pod_ports:
         sim_argv += ["--port", str(p)]
-    epp_argv = [sys.executable, "-m", "epp.cli", "serve", "--drain-quiet-period", "0",
-                "--bind-address", "127.0.0.1", "--grpc-port", str(grpc_port),
+    epp_argv = [sys.executable, "-m", "epp.cli", "serve", *LOCAL_SERVE_FLAGS,
+                "--drain-quiet-period", "0", "--bind-address", "127.0.0.1", "--grpc-port", str(grpc_port),
                 "--grpc-health-port", str(health_port), "--metrics-port", str(metrics_port),
                 "--endpoints-file", str(endpoints),
                 "--max-request-body-bytes", str(MAX_BODY), "--log-level", "warning"]

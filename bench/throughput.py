@@ -37,7 +37,7 @@ from epp.stack.envoy import (
     render_envoy_config,
     without_ext_proc,
 )
-from epp.stack.procs import ManagedProcess, free_port, wait_port
+from epp.stack.procs import LOCAL_SERVE_FLAGS, ManagedProcess, free_port, wait_port
 
 UPSTREAM_YAML = """\
 admin:
@@ -224,7 +224,7 @@ async def _load_rows(args: argparse.Namespace, load: Load, work: Path) -> list[R
 async def _epp_case(args: argparse.Namespace, load: Load, work: Path, up_port: int, lua: Path,
                     conc: int, workers: int, path: str) -> Row:
     grpc_port = free_port()
-    argv = [sys.executable, "-m", "epp.cli", "serve", "--drain-quiet-period", "0", "--bind-address", "127.0.0.1",
+    argv = [sys.executable, "-m", "epp.cli", "serve", *LOCAL_SERVE_FLAGS, "--drain-quiet-period", "0", "--bind-address", "127.0.0.1",
             "--grpc-port", str(grpc_port), "--grpc-health-port", str(free_port()),
             "--metrics-port", str(free_port()), "--log-level", "warning",
             "--endpoints", f"127.0.0.1:{up_port}", "--no-metrics-scraping",

@@ -6,13 +6,14 @@ import argparse
 import asyncio
 import logging
 import sys
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from epp import __version__
 from epp.errors import ConfigError
 
 if TYPE_CHECKING:
+    from epp.observability.logging import LogSettings
     from epp.server.options import ServeOptions
 
 log = logging.getLogger("epp")
@@ -52,6 +53,9 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     cfg = p.add_mutually_exclusive_group()
     cfg.add_argument("--config-file", help="EndpointPickerConfig YAML file")
     cfg.add_argument("--config-text", help="EndpointPickerConfig YAML given inline")
+    p.add_argument("--strict-config", action="store_true",
+                   help="fail on an unknown plugin parameter (default: ignored with a "
+                   "warning, as GIE ignores it)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--endpoints", help="static endpoints: ip:port[,ip:port…]")
     src.add_argument("--endpoints-file",
@@ -67,9 +71,15 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    "500 (0: no check)")
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY,
                    help=f"reject larger request bodies with 413 (default {DEFAULT_MAX_BODY})")
-    p.add_argument("--log-level", default="info",
+    p.add_argument("--log-level", default=None,
                    choices=["debug", "info", "warning", "error"],
-                   help="log level (default info; per-request lines are logged at debug)")
+                   help="log level (default info; per-request lines are logged at debug). "
+                   "Wins over GIE's --zap-log-level and -v")
+    p.add_argument("--disable-endpoint-subset-filter", type=_go_bool, nargs="?", const=True,
+                   default=False, metavar="BOOL",
+                   help="ignore the gateway's endpoint subset hint (metadata "
+                   "x-gateway-destination-endpoint-subset): pick from the whole pool "
+                   "(default false)")
     g = p.add_argument_group("shutdown (see docs/operations.md)")
     g.add_argument("--drain-timeout", type=_duration, default=30.0, metavar="DUR",
                    help="on SIGTERM/SIGINT report NOT_SERVING at once but keep serving "
@@ -86,29 +96,89 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _add_observability_flags(p: argparse.ArgumentParser) -> None:
+    from epp.server.options import DEFAULT_METRICS_ENDPOINT_AUTH, DEFAULT_TRACING
+
     g = p.add_argument_group("observability (see docs/observability.md)")
-    g.add_argument("--log-format", default="text", choices=["text", "json"],
-                   help="log line format (default text)")
-    g.add_argument("--metrics-endpoint-auth", metavar="TOKEN_FILE", default=None,
-                   help="require 'Authorization: Bearer <token>' on /metrics and /debug/*, "
-                   "the token read from this file; 'false' (GIE's form) means off "
-                   "(default: no auth)")
+    g.add_argument("--log-format", default=None, choices=["text", "json"],
+                   help="log line format (default text; wins over GIE's --zap-encoder)")
+    g.add_argument("--metrics-endpoint-auth", metavar="BOOL|TOKEN_FILE", nargs="?",
+                   const="true", default=None,
+                   help="protect /metrics and /debug/*. true (GIE's meaning): the request's "
+                   "bearer token must pass a Kubernetes TokenReview and its user a "
+                   "SubjectAccessReview for the path (needs a Kubernetes endpoint source); "
+                   "false: no auth; a file: the one bearer token it holds "
+                   f"(default {str(DEFAULT_METRICS_ENDPOINT_AUTH).lower()}; GIE: true)")
     g.add_argument("--enable-explain-header", action="store_true",
                    help="answer a client's 'x-epp-explain: true' with the decision (per-profile, "
                    "per-plugin scores, dropped endpoints) as JSON in the 'x-epp-explain' "
                    "response header (default off: clients never see it)")
-    g.add_argument("--tracing", action="store_true",
+    g.add_argument("--tracing", type=_go_bool, nargs="?", const=True, default=None,
+                   metavar="BOOL",
                    help="OpenTelemetry tracing: a span per request with scheduling and plugin "
                    "child spans, traceparent propagated upstream; exporter from OTEL_* "
-                   "environment (needs pip install 'epp[tracing]'; default off)")
+                   "environment (needs pip install 'epp[tracing]'; default "
+                   f"{str(DEFAULT_TRACING).lower()}; GIE: true)")
     g.add_argument("--explain-history", type=int, default=0, metavar="N",
                    help="keep the last N decisions, explained, for GET /debug/decisions on the "
                    "metrics port (default 0: off)")
+    _add_gie_logging_flags(p)
+    g = p.add_argument_group("GIE flags with no counterpart here: accepted, and logged at "
+                             "startup as changing nothing (docs/configuration.md)")
+    g.add_argument("--health-checking", type=_go_bool, nargs="?", const=True, default=None,
+                   metavar="BOOL", help="GIE: gRPC health on the ext_proc port; here it is "
+                   "always there (GIE's default: false)")
+    g.add_argument("--enable-pprof", type=_go_bool, nargs="?", const=True, default=None,
+                   metavar="BOOL", help="GIE: Go pprof handlers on the metrics port; none "
+                   "here (GIE's default: true)")
+    g.add_argument("--refresh-prometheus-metrics-interval", type=_duration, default=None,
+                   metavar="DUR", help="GIE: how often its inference_pool_* gauges are "
+                   "recomputed; here they are computed at every scrape (GIE's default: 5s)")
+
+
+def _add_gie_logging_flags(p: argparse.ArgumentParser) -> None:
+    """GIE's logging flags (-v and controller-runtime's --zap-*), mapped onto Python
+    logging by epp.observability.logging.resolve."""
+    from epp.observability import logging as eppl
+
+    g = p.add_argument_group("GIE's logging flags (mapped onto --log-level and "
+                             "--log-format: docs/configuration.md)")
+    g.add_argument("-v", "--v", dest="verbosity", type=int, default=None, metavar="N",
+                   help=f"GIE's log verbosity (GIE's default {eppl.GIE_DEFAULT_VERBOSITY}): "
+                   f"{eppl.GIE_DEBUG_VERBOSITY} or more means --log-level debug, less means "
+                   "info")
+    g.add_argument("--zap-log-level", type=_parsed(eppl.parse_zap_log_level), default=None,
+                   metavar="LEVEL", help="debug, info, error, or an integer N > 0 read as -v N "
+                   "(wins over -v)")
+    g.add_argument("--zap-encoder", type=_parsed(eppl.parse_zap_encoder), default=None,
+                   metavar="ENC", help="json or console: --log-format json or text")
+    g.add_argument("--zap-devel", type=_go_bool, nargs="?", const=True, default=None,
+                   metavar="BOOL", help="zap's development mode; false (production) means "
+                   "--log-format json unless a format is given (GIE's default: true)")
+    g.add_argument("--zap-stacktrace-level", type=_parsed(eppl.parse_zap_stacktrace_level),
+                   default=None, metavar="LEVEL", help="info, error or panic: records at or "
+                   "above it carry the stack of the logging call (default: none)")
+    g.add_argument("--zap-time-encoding", type=_parsed(eppl.parse_zap_time_encoding),
+                   default=None, metavar="ENC", help="epoch, millis, nanos, iso8601, rfc3339 "
+                   "or rfc3339nano: the JSON ts field and the text line's time (default: "
+                   "epoch seconds in JSON, local time in text)")
+
+
+def _parsed(parse: Callable[[str], str]) -> Callable[[str], str]:
+    """argparse type from a parser raising ValueError with the whole message."""
+
+    def convert(value: str) -> str:
+        try:
+            return parse(value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return convert
 
 
 def _add_kubernetes_flags(p: argparse.ArgumentParser) -> None:
     """Kubernetes discovery and leader election; names follow GIE's EPP flags."""
     from epp import keys
+    from epp.server.options import DEFAULT_SECURE_SERVING
 
     g = p.add_argument_group("Kubernetes (see docs/kubernetes.md)")
     g.add_argument("--pool-name", help="InferencePool to serve: watch it and the Pods it "
@@ -121,19 +191,24 @@ def _add_kubernetes_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--endpoint-selector", metavar="K=V[,K=V…]",
                    help="standalone mode, no InferencePool: select model-server Pods by "
                    "these labels (needs --endpoint-target-ports)")
-    g.add_argument("--endpoint-target-ports", metavar="PORT[,PORT…]",
-                   help="standalone mode: the Pods' serving ports, one endpoint per port")
+    g.add_argument("--endpoint-target-ports", metavar="PORT[,PORT…]", action=_Joined,
+                   help="standalone mode: the Pods' serving ports, one endpoint per port "
+                   "(repeating the flag adds ports, as GIE's int slice)")
     g.add_argument("--kubeconfig", metavar="FILE", help="kubeconfig file (default: the "
                    "in-cluster service account, else $KUBECONFIG, else ~/.kube/config)")
     g.add_argument("--no-node-labels", dest="watch_nodes", action="store_false",
                    help="do not watch Nodes for topology labels (no cluster-scoped RBAC "
                    "needed)")
-    g.add_argument("--secure-serving", type=_go_bool, nargs="?", const=True, default=False,
+    g.add_argument("--secure-serving", type=_go_bool, nargs="?", const=True, default=None,
                    metavar="BOOL", help="serve ext_proc over TLS, as GIE's EPP does and "
-                   "gateways built for it expect (default false here; the deploy/ manifests "
-                   "set it true)")
+                   "gateways built for it expect (default "
+                   f"{str(DEFAULT_SECURE_SERVING).lower()}; GIE: true; the deploy/ manifests "
+                   "set it)")
     g.add_argument("--cert-path", metavar="DIR", help="with --secure-serving: directory "
                    "holding tls.crt and tls.key (default: a self-signed certificate)")
+    g.add_argument("--enable-cert-reload", type=_go_bool, nargs="?", const=True,
+                   default=False, metavar="BOOL", help="with --cert-path: serve a renewed "
+                   "tls.crt/tls.key to new connections (default false)")
     g.add_argument("--ha-enable-leader-election", type=_go_bool, nargs="?", const=True,
                    default=False, metavar="BOOL",
                    help="active-passive replicas: only the holder of the pool's Lease "
@@ -161,6 +236,35 @@ def _duration(value: str) -> float:
         raise argparse.ArgumentTypeError(str(e).removeprefix("duration: ")) from None
 
 
+class _Given(argparse._StoreAction):
+    """argparse's "store", also recording the flag in ``given_flags`` (GIE's deprecated
+    flags are noted at startup when given, whatever their value)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        namespace.given_flags = (*getattr(namespace, "given_flags", ()),
+                                 self.option_strings[0])
+
+
+class _Joined(argparse.Action):
+    """A comma-separated list flag that, given again, adds to the list (pflag's slices)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        before = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, values if before is None else f"{before},{values}")
+
+
+def _unquoted(value: str) -> str:
+    """A value with one pair of surrounding double quotes removed: GIE's Helm chart writes
+    ``--total-queued-requests-metric="sglang:num_queue_reqs"`` as one container arg, so the
+    quotes reach the program."""
+    if len(value) >= 2 and value[0] == value[-1] == '"':
+        return value[1:-1]
+    return value
+
+
 def _go_bool(value: str) -> bool:
     v = value.strip().lower()
     if v in ("1", "t", "true", "yes"):
@@ -186,17 +290,20 @@ def _add_metrics_flags(p: argparse.ArgumentParser) -> None:
                    help="stretch the scrape interval while the event loop's p90 lag is "
                    "above this (default 3ms; 0 disables)")
     g.add_argument("--model-server-metrics-scheme", default="http", choices=["http", "https"],
+                   action=_Given,
                    help="scheme for scraping (default http)")
-    g.add_argument("--model-server-metrics-path", default="/metrics",
+    g.add_argument("--model-server-metrics-path", default="/metrics", type=_unquoted,
+                   action=_Given,
                    help="path for scraping (default /metrics)")
     g.add_argument("--model-server-metrics-port", type=int, default=0, metavar="PORT",
+                   action=_Given,
                    help="port for scraping (default 0: the endpoint's own port)")
     g.add_argument("--model-server-metrics-max-bytes", type=int, default=4 << 20,
                    metavar="BYTES",
                    help="a larger /metrics body fails the scrape; the read stops there "
                    "(default 4194304, 4 MiB)")
     g.add_argument("--model-server-metrics-https-insecure-skip-verify", type=_go_bool,
-                   nargs="?", const=True, default=True, metavar="BOOL",
+                   nargs="?", const=True, default=True, metavar="BOOL", action=_Given,
                    help="with https, do not verify the server certificate (default true)")
     g.add_argument("--no-metrics-scraping", dest="scrape_metrics", action="store_false",
                    help="do not scrape model servers (scorers then see no load signals)")
@@ -207,7 +314,7 @@ def _add_metrics_flags(p: argparse.ArgumentParser) -> None:
         ("--lora-info-metric", "LoRA adapters info"),
         ("--cache-info-metric", "cache config info (block size / block count labels)"),
     ):
-        g.add_argument(flag, default=None, metavar="SPEC",
+        g.add_argument(flag, default=None, metavar="SPEC", type=_unquoted, action=_Given,
                        help=f"metric for {what} of the default engine (vllm), as "
                        "name or name{label=value,…}; '' disables it (default: built-in)")
 
@@ -217,6 +324,21 @@ def _add_check_config(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
                        description="Parse and build an EndpointPickerConfig (every plugin and "
                        "parameter) exactly as `epp serve` would; exit 0 when valid.")
     p.add_argument("file", help="EndpointPickerConfig YAML file")
+    p.add_argument("--strict", action="store_true",
+                   help="fail on an unknown plugin parameter (default: ignored with a "
+                   "warning, as GIE and `epp serve` ignore it)")
+
+
+def _add_envoy_config(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from epp.stack.envoy_config import add_arguments
+
+    p = sub.add_parser("envoy-config", help="print a ready-to-run Envoy configuration that "
+                       "sends requests through an EPP",
+                       description="Print an Envoy bootstrap (YAML) with one HTTP listener "
+                       "whose requests go through the EPP over ext_proc and are routed to "
+                       "the pod it picks — the configuration `epp demo` runs. Run it with "
+                       "`envoy -c FILE`.")
+    add_arguments(p)
 
 
 def _add_sim(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -287,6 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_check_config(sub)
     _add_sim(sub)
     _add_demo(sub)
+    _add_envoy_config(sub)
     _add_bench(sub)
     return parser
 
@@ -298,6 +421,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
     from epp.datalayer.scraper import ScrapeOptions
     from epp.server import options as so
 
+    log = log_settings(args)
     return so.ServeOptions(
         listen=so.ListenOptions(
             grpc_port=args.grpc_port, grpc_health_port=args.grpc_health_port,
@@ -305,7 +429,8 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
             grpc_bind_address=args.grpc_bind_address,
             grpc_health_bind_address=args.grpc_health_bind_address,
             metrics_bind_address=args.metrics_bind_address),
-        config=so.ConfigOptions(file=args.config_file, text=args.config_text),
+        config=so.ConfigOptions(file=args.config_file, text=args.config_text,
+                                strict=args.strict_config),
         static=so.StaticSourceOptions(endpoints=args.endpoints,
                                       endpoints_file=args.endpoints_file),
         kubernetes=so.KubernetesSourceOptions(
@@ -313,7 +438,8 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
             pool_group=args.pool_group, endpoint_selector=args.endpoint_selector,
             endpoint_target_ports=args.endpoint_target_ports, kubeconfig=args.kubeconfig,
             watch_nodes=args.watch_nodes),
-        tls=so.TlsOptions(secure_serving=args.secure_serving, cert_path=args.cert_path),
+        tls=so.TlsOptions(secure_serving=args.secure_serving, cert_path=args.cert_path,
+                          enable_cert_reload=args.enable_cert_reload),
         ha=so.HaOptions(enable_leader_election=args.ha_enable_leader_election,
                         lease_duration_s=args.ha_lease_duration,
                         renew_deadline_s=args.ha_renew_deadline,
@@ -342,18 +468,41 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         observability=so.ObservabilityOptions(
             enable_explain_header=args.enable_explain_header,
             explain_history=args.explain_history, metrics_auth=args.metrics_endpoint_auth,
-            tracing=args.tracing, log_level=args.log_level),
+            tracing=args.tracing, log_level=log.level, log_format=log.fmt),
         limits=so.RequestLimits(max_request_body_bytes=args.max_request_body_bytes,
                                 max_request_headers=args.max_request_headers),
         workers=so.WorkerOptions(count=args.workers),
         drain=so.DrainOptions(timeout_s=args.drain_timeout, quiet_s=args.drain_quiet_period),
+        routing=so.RoutingOptions(
+            disable_endpoint_subset_filter=args.disable_endpoint_subset_filter),
+        gie_only=so.GieOnlyOptions(
+            health_checking=args.health_checking, enable_pprof=args.enable_pprof,
+            refresh_prometheus_metrics_interval_s=args.refresh_prometheus_metrics_interval,
+            deprecated=tuple(f for f in so.DEPRECATED_FLAGS if _given(args, f))),
     )
 
 
+def log_settings(args: argparse.Namespace) -> LogSettings:
+    """``epp serve``'s logging, from its own flags and GIE's (-v, --zap-*)."""
+    from epp.observability.logging import resolve
+
+    return resolve(log_level=args.log_level, log_format=args.log_format,
+                   verbosity=args.verbosity, zap_log_level=args.zap_log_level,
+                   zap_encoder=args.zap_encoder, zap_devel=args.zap_devel,
+                   zap_stacktrace_level=args.zap_stacktrace_level,
+                   zap_time_encoding=args.zap_time_encoding)
+
+
+def _given(args: argparse.Namespace, flag: str) -> bool:
+    """Whether ``flag`` (one recorded by :class:`_Given`) was on the command line."""
+    return flag in getattr(args, "given_flags", ())
+
+
 def _serve(args: argparse.Namespace) -> int:
+    from epp.observability.logging import setup
     from epp.server.app import StartupError, serve_forever
 
-    _setup_logging(args.log_level, args.log_format)
+    setup(log_settings(args))
     opts = serve_options(args)
 
     async def main() -> None:
@@ -378,17 +527,30 @@ def _serve(args: argparse.Namespace) -> int:
 def _check_config(args: argparse.Namespace) -> int:
     from epp.config.loader import build, load_config_file
 
+    logging.getLogger("epp.framework.params").addHandler(logging.NullHandler())  # printed below
     try:
-        built = build(load_config_file(args.file))
+        built = build(load_config_file(args.file), strict=args.strict)
     except ConfigError as e:
         print(f"epp: error: {e}", file=sys.stderr)
         return 1
+    for warning in built.warnings:
+        print(f"epp: warning: {warning}", file=sys.stderr)
     for name, prof in built.scheduler.profiles.items():
         parts = [f"filter {f.name}" for f in prof.filters]
         parts += [f"scorer {s.name} (weight {w:g})" for s, w in prof.scorers]
         parts.append(f"picker {prof.picker.name}")
         print(f"profile {name}: " + ", ".join(parts))
     print(f"profile handler: {built.scheduler.handler.name}")
+    if built.saturation_detector is not None:
+        print(f"saturation detector: {built.saturation_detector.name}")
+    if built.data_layer is None:
+        print("data layer: legacy metrics (enableLegacyMetrics)")
+    else:
+        for src in built.data_layer.sources:
+            exts = ", ".join(e.name for e in src.extractors) or "no extractor"
+            print(f"data source {src.source.name} -> {exts}")
+    if built.parser_plugin is not None:
+        print(f"parser: {built.parser_plugin.name}")
     print(f"{args.file}: OK")
     return 0
 
@@ -414,6 +576,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         _setup_logging("warning")
         return bench_main(args)
+    if args.command == "envoy-config":
+        from epp.stack.envoy_config import main as envoy_config_main
+
+        return envoy_config_main(args)
     if args.command == "demo":
         from epp.stack.demo import run_demo
 

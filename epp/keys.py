@@ -58,6 +58,9 @@ CONTENT_TYPE_JSON: Final = "application/json"
 HEALTH_LIVENESS: Final = "liveness"
 HEALTH_READINESS: Final = "readiness"
 HEALTH_EXT_PROC: Final = "envoy.service.ext_proc.v3.ExternalProcessor"
+# The service GIE v1.5.0's Helm chart probes with one replica (no leader election); GIE's
+# health server answers any name then (epp/server/health.py).
+HEALTH_INFERENCE_EXTENSION: Final = "inference-extension"
 
 # --- Endpoint labels ---
 LABEL_ROLE: Final = "llm-d.ai/role"
@@ -160,3 +163,4 @@ ENV_NAMESPACE: Final = "NAMESPACE"  # pool namespace when --pool-namespace is no
 
 # --- Per-request plugin state shared with the core (LLMRequest.plugin_state) ---
 PLUGIN_STATE_PREFIX_HIT_RATIO: Final = "prefix-cache.hit-ratio"
+PLUGIN_STATE_PREFIX_HIT_BYTES: Final = "prefix-cache.hit-bytes"  # matched blocks × block chars

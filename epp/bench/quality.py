@@ -52,7 +52,7 @@ from epp.stack.envoy import (
     render_envoy_config,
     without_ext_proc,
 )
-from epp.stack.procs import ManagedProcess, free_port, wait_port
+from epp.stack.procs import LOCAL_SERVE_FLAGS, ManagedProcess, free_port, wait_port
 from epp.stack.runner import Result, stream_chat
 
 MODEL: Final = "sim-model"
@@ -210,7 +210,7 @@ class Stack:
             endpoints = self.workdir / "endpoints.yaml"
             endpoints.write_text(yaml.safe_dump({"endpoints": [
                 {"address": "127.0.0.1", "port": p, "name": f"sim-{p}"} for p in self.ports]}))
-            argv = [sys.executable, "-m", "epp.cli", "serve", "--drain-quiet-period", "0", "--bind-address", "127.0.0.1",
+            argv = [sys.executable, "-m", "epp.cli", "serve", *LOCAL_SERVE_FLAGS, "--drain-quiet-period", "0", "--bind-address", "127.0.0.1",
                     "--grpc-port", str(grpc_port), "--grpc-health-port", str(health_port),
                     "--metrics-port", str(metrics_port), "--endpoints-file", str(endpoints),
                     "--log-level", "warning", *self.epp_args]

@@ -1,14 +1,26 @@
-"""EndpointPickerConfig loading in two phases (design.md §5, §9 rule 3).
+"""EndpointPickerConfig loading in two phases (design.md §5, §9 rule 3), with GIE
+v1.5.0's rules (pkg/epp/config/loader: configloader.go, defaults.go, validation.go;
+apix/config/v1alpha1/endpointpickerconfig_types.go; cmd/epp/runner/runner.go).
 
-Phase 1, :func:`parse_config`: YAML → validated frozen dataclasses (structure, keys,
-references). Phase 2, :func:`build`: create every plugin through the registry (each
-validates its own parameters) and assemble the :class:`Scheduler`. Both run at startup;
-any problem raises :class:`ConfigError` naming the file, the path in it and the fix.
+Phase 1, :func:`parse_config`: YAML → validated frozen dataclasses. As GIE decodes the
+document strictly, an unknown key anywhere in the structure (top level, a plugin entry, a
+profile, ``dataLayer``, ``parser``, ``saturationDetector``), a duplicate key, an unknown
+feature gate or a value of the wrong type is an error.
+
+Phase 2, :func:`build`: every plugin type is resolved first (an unknown type fails before
+anything else, with a "did you mean"), then every plugin is created through the registry
+(each decodes its own ``parameters``; an unknown parameter is ignored with a warning, as
+GIE's ``json.Unmarshal`` ignores it, or is an error with ``strict=True``), the defaults GIE
+injects are injected (a ``default`` profile, the profile handler, the picker, weight 1,
+the saturation detector, the parser, the data layer), the references are checked and
+the scheduler is assembled. Both phases run at startup; any problem raises
+:class:`ConfigError` naming the file, the path in it and the fix. Warnings are logged and
+kept on :attr:`BuiltConfig.warnings`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,10 +28,13 @@ from typing import Any
 import yaml
 
 from epp import keys
+from epp.datalayer.config import DataLayerConfig, SourceConfig
 from epp.errors import ConfigError
 from epp.framework.handle import BindsPlugins, PluginHandle
 from epp.framework.interfaces import (
     ChecksProfiles,
+    DataExtractor,
+    DataSource,
     EndpointRemoved,
     Filter,
     Picker,
@@ -28,13 +43,16 @@ from epp.framework.interfaces import (
     PreRequest,
     ProfileHandler,
     RequestHeaders,
+    RequestParser,
     ResponseComplete,
     ResponseHeaders,
+    ResponseUsageMetadata,
     SaturationDetector,
     Scorer,
     no_timer,
 )
-from epp.framework.registry import Registry
+from epp.framework.params import DecodePolicy, decoding, suggest
+from epp.framework.registry import Builder, Registry
 from epp.scheduling.plugins.catalog import default_registry
 from epp.scheduling.scheduler import Scheduler, SchedulerProfile
 
@@ -61,14 +79,34 @@ schedulingProfiles:
   - {pluginRef: max-score-picker}
 """
 
+# --- feature gates (GIE v1.5.0 registers these three) ---
+FEATURE_DATA_LAYER = "dataLayer"  # deprecated: the data layer is on by default
+FEATURE_LEGACY_METRICS = "enableLegacyMetrics"  # the scraper from the flags alone
+FEATURE_FLOW_CONTROL = "flowControl"
+KNOWN_FEATURE_GATES = frozenset({FEATURE_DATA_LAYER, FEATURE_LEGACY_METRICS,
+                                 FEATURE_FLOW_CONTROL})
+_REMOVED_FEATURE_GATES = {
+    "prepareDataPlugins": "removed in GIE v1.5.0 (data-preparation plugins always run); "
+                          "remove it",
+}
+
+# --- plugins the loader injects, by GIE's names ---
+SINGLE_PROFILE_HANDLER = "single-profile-handler"
+MAX_SCORE_PICKER = "max-score-picker"
+UTILIZATION_DETECTOR = "utilization-detector"
+OPENAI_PARSER = "openai-parser"
+METRICS_DATA_SOURCE = "metrics-data-source"
+CORE_METRICS_EXTRACTOR = "core-metrics-extractor"
+
 _TOP_KEYS = {"apiVersion", "kind", "featureGates", "plugins", "schedulingProfiles",
-             "saturationDetector"}
+             "saturationDetector", "dataLayer", "parser", "flowControl"}
+_RENAMED = {
+    "data": "'data' is GIE v1.4's name of this section; GIE v1.5.0 reads only 'dataLayer' "
+            "(and rejects 'data'): rename it to 'dataLayer'",
+}
 _NOT_YET = {
-    "data": "the data-layer section is not supported yet; remove it (metrics are scraped "
-            "with the built-in engine mappings)",
     "flowControl": "flow control is not supported yet; remove the section",
 }
-KNOWN_FEATURE_GATES = {"flowControl", "dataLayer", "prepareDataPlugins"}
 
 
 @dataclass(frozen=True)
@@ -94,12 +132,41 @@ class ProfileSpec:
 
 
 @dataclass(frozen=True)
+class DataLayerSourceSpec:
+    """``dataLayer.sources[i]``: a source plugin and the extractors it feeds."""
+
+    plugin_ref: str
+    extractors: tuple[str, ...]
+    path: str
+
+
+@dataclass(frozen=True)
+class DataLayerSpec:
+    """The config's ``dataLayer`` section (present, possibly without sources)."""
+
+    sources: tuple[DataLayerSourceSpec, ...]
+    path: str = "dataLayer"
+
+
+@dataclass(frozen=True)
+class ParserSpec:
+    """The config's ``parser: {pluginRef: NAME}`` (GIE's ParserConfig)."""
+
+    plugin_ref: str
+    path: str = "parser.pluginRef"
+
+
+@dataclass(frozen=True)
 class EndpointPickerConfig:
     source: str
     plugins: tuple[PluginSpec, ...]
     profiles: tuple[ProfileSpec, ...]
     feature_gates: tuple[str, ...] = ()
+    # ``saturationDetector.pluginRef``; None (absent or empty) = utilization-detector.
     saturation_detector: str | None = None
+    data_layer: DataLayerSpec | None = None  # None: no ``dataLayer`` section
+    parser: ParserSpec | None = None  # None: no ``parser`` section (openai-parser)
+    warnings: tuple[str, ...] = ()  # from parsing; re-issued (logged) by build()
 
 
 @dataclass
@@ -114,12 +181,23 @@ class BuiltConfig:
     endpoint_removed: list[EndpointRemoved] = field(default_factory=list)
     request_headers: list[RequestHeaders] = field(default_factory=list)
     response_headers: list[ResponseHeaders] = field(default_factory=list)
-    # The plugin named by ``saturationDetector: {pluginRef: …}``, if any.
+    response_usage_metadata: list[ResponseUsageMetadata] = field(default_factory=list)
+    # The plugin named by ``saturationDetector: {pluginRef: …}``, or the
+    # utilization-detector GIE injects (with its defaults) when none is named.
     saturation_detector: SaturationDetector | None = None
+    # The data layer: None under the ``enableLegacyMetrics`` feature gate (the scraper
+    # from the flags alone); GIE's default when the config has no ``dataLayer`` section.
+    data_layer: DataLayerConfig | None = None
+    # The ``parser`` section as written (None: absent) and the parser plugin it resolves
+    # to — the named one, or the openai-parser GIE injects.
+    parser: ParserSpec | None = None
+    parser_plugin: RequestParser | None = None
+    feature_gates: frozenset[str] = frozenset()
+    warnings: list[str] = field(default_factory=list)
 
 
 # The built-in catalog: plugins a config gets without declaring them (the single-profile
-# handler, the max-score picker) come from it whatever registry builds the declared ones.
+# handler, the max-score picker, …) come from it whatever registry builds the declared ones.
 _BUILTINS = default_registry()
 
 
@@ -130,8 +208,9 @@ def _err(source: str, path: str, msg: str) -> ConfigError:
 def _check_keys(source: str, path: str, obj: Mapping[str, Any], allowed: set[str]) -> None:
     unknown = sorted(set(obj) - allowed)
     if unknown:
+        hints = "".join(suggest(str(k), allowed) for k in unknown)
         raise _err(source, path or "(top level)",
-                   f"unknown key(s) {', '.join(map(repr, unknown))}; allowed: "
+                   f"unknown key(s) {', '.join(map(repr, unknown))}{hints}; allowed: "
                    f"{', '.join(sorted(allowed))}")
 
 
@@ -153,19 +232,67 @@ def _name(source: str, path: str, v: Any) -> str:
     return v
 
 
-def parse_config(text: str, source: str = "<config>") -> EndpointPickerConfig:
-    """Phase 1: parse and validate the structure of an EndpointPickerConfig document."""
+# ------------------------------------------------------------------------------ YAML
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML that rejects a key given twice in one mapping (GIE decodes strictly)."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode,
+                       deep: bool = False) -> dict[Hashable, Any]:
+    seen: dict[Hashable, yaml.Node] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue  # '<<: *anchor' keys may be overridden
+        key = loader.construct_object(key_node, deep=deep)
+        if isinstance(key, Hashable) and key in seen:
+            mark = key_node.start_mark
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first at line "
+                f"{seen[key].start_mark.line + 1})", mark)
+        if isinstance(key, Hashable):
+            seen[key] = key_node
+    loader.flatten_mapping(node)
+    return dict(loader.construct_pairs(node, deep=deep))
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+                              _construct_mapping)
+
+
+def _load_yaml(text: str, source: str) -> Any:
     try:
-        doc = yaml.safe_load(text)
+        return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        what = " ".join(x for x in (e.context, e.problem) if x)
+        raise ConfigError(f"{source}: not valid YAML{at}: {what}") from e
     except yaml.YAMLError as e:
         raise _err(source, "", f"not valid YAML: {e}") from e
+
+
+# --------------------------------------------------------------------------- phase 1
+
+
+def parse_config(text: str, source: str = "<config>") -> EndpointPickerConfig:
+    """Phase 1: parse and validate the structure of an EndpointPickerConfig document.
+
+    References between sections (``pluginRef``) are checked by :func:`build`, after the
+    plugin types (GIE's order)."""
+    doc = _load_yaml(text, source)
     if doc is None:
         doc = {}
     doc = _mapping(source, "(top level)", doc)
+    for key, why in _RENAMED.items():
+        if key in doc:
+            raise _err(source, key, why)
     for key, why in _NOT_YET.items():
         if key in doc:
             raise _err(source, key, why)
     _check_keys(source, "", doc, _TOP_KEYS)
+    warnings: list[str] = []
 
     api = doc.get("apiVersion")
     if api is not None and api not in keys.CONFIG_API_VERSIONS:
@@ -178,9 +305,16 @@ def parse_config(text: str, source: str = "<config>") -> EndpointPickerConfig:
     gates = tuple(_name(source, f"featureGates[{i}]", g)
                   for i, g in enumerate(_list(source, "featureGates", doc.get("featureGates") or [])))
     for i, g in enumerate(gates):
+        if g in _REMOVED_FEATURE_GATES:
+            raise _err(source, f"featureGates[{i}]", f"feature gate {g!r} is "
+                       f"{_REMOVED_FEATURE_GATES[g]}")
         if g not in KNOWN_FEATURE_GATES:
-            raise _err(source, f"featureGates[{i}]", f"unknown feature gate {g!r}; known: "
+            raise _err(source, f"featureGates[{i}]", f"unknown feature gate {g!r}"
+                       f"{suggest(g, KNOWN_FEATURE_GATES)}; known: "
                        f"{', '.join(sorted(KNOWN_FEATURE_GATES))}")
+        if g == FEATURE_DATA_LAYER:
+            warnings.append(f"featureGates[{i}]: 'dataLayer' is deprecated and has no effect "
+                            "(the data layer is on by default); remove it")
 
     plugins: list[PluginSpec] = []
     seen: set[str] = set()
@@ -191,7 +325,10 @@ def parse_config(text: str, source: str = "<config>") -> EndpointPickerConfig:
         if "type" not in raw:
             raise _err(source, path, "missing 'type' (the plugin type, e.g. queue-scorer)")
         ptype = _name(source, f"{path}.type", raw["type"])
-        name = _name(source, f"{path}.name", raw.get("name", ptype))
+        name = raw.get("name")
+        if name is None or name == "":
+            name = ptype  # GIE: the name defaults to the type
+        name = _name(source, f"{path}.name", name)
         if name in seen:
             raise _err(source, f"{path}.name", f"duplicate plugin name {name!r}; give each "
                        "instance its own 'name'")
@@ -220,25 +357,56 @@ def parse_config(text: str, source: str = "<config>") -> EndpointPickerConfig:
             if "pluginRef" not in r:
                 raise _err(source, rpath, "missing 'pluginRef' (the name of a plugin in 'plugins')")
             ref = _name(source, f"{rpath}.pluginRef", r["pluginRef"])
-            if ref not in seen:
-                raise _err(source, f"{rpath}.pluginRef", f"no plugin named {ref!r} in 'plugins'; "
-                           f"declared: {', '.join(sorted(seen)) or 'none'}")
             w = r.get("weight")
-            if w is not None and (isinstance(w, bool) or not isinstance(w, (int, float)) or w < 0):
-                raise _err(source, f"{rpath}.weight", f"expected a number >= 0, got {w!r}")
+            if w is not None and (isinstance(w, bool) or not isinstance(w, (int, float))):
+                raise _err(source, f"{rpath}.weight", f"expected a number, got {w!r}")
             refs.append(PluginRef(ref, None if w is None else float(w), rpath))
         profiles.append(ProfileSpec(pname, tuple(refs), path))
 
-    sat = doc.get("saturationDetector")
     sat_ref: str | None = None
+    sat = doc.get("saturationDetector")
     if sat is not None:
         sat = _mapping(source, "saturationDetector", sat)
         _check_keys(source, "saturationDetector", sat, {"pluginRef"})
-        sat_ref = _name(source, "saturationDetector.pluginRef", sat.get("pluginRef"))
-        if sat_ref not in seen:
-            raise _err(source, "saturationDetector.pluginRef", f"no plugin named {sat_ref!r}")
+        ref_value = sat.get("pluginRef")
+        if ref_value is not None and not isinstance(ref_value, str):
+            raise _err(source, "saturationDetector.pluginRef",
+                       f"expected a plugin name, got {ref_value!r}")
+        sat_ref = ref_value or None  # empty: utilization-detector (GIE)
 
-    return EndpointPickerConfig(source, tuple(plugins), tuple(profiles), gates, sat_ref)
+    data_layer: DataLayerSpec | None = None
+    if "dataLayer" in doc and doc["dataLayer"] is not None:
+        dl = _mapping(source, "dataLayer", doc["dataLayer"])
+        _check_keys(source, "dataLayer", dl, {"sources"})
+        sources: list[DataLayerSourceSpec] = []
+        for i, raw in enumerate(_list(source, "dataLayer.sources", dl.get("sources") or [])):
+            path = f"dataLayer.sources[{i}]"
+            raw = _mapping(source, path, raw)
+            _check_keys(source, path, raw, {"pluginRef", "extractors"})
+            if "pluginRef" not in raw:
+                raise _err(source, path, "missing 'pluginRef' (the name of a data source "
+                           "plugin, e.g. metrics-data-source)")
+            ref = _name(source, f"{path}.pluginRef", raw["pluginRef"])
+            extractors: list[str] = []
+            for j, e in enumerate(_list(source, f"{path}.extractors", raw.get("extractors") or [])):
+                epath = f"{path}.extractors[{j}]"
+                e = _mapping(source, epath, e)
+                _check_keys(source, epath, e, {"pluginRef"})
+                if "pluginRef" not in e:
+                    raise _err(source, epath, "missing 'pluginRef' (the name of an extractor "
+                               "plugin, e.g. core-metrics-extractor)")
+                extractors.append(_name(source, f"{epath}.pluginRef", e["pluginRef"]))
+            sources.append(DataLayerSourceSpec(ref, tuple(extractors), path))
+        data_layer = DataLayerSpec(tuple(sources))
+
+    parser: ParserSpec | None = None
+    if doc.get("parser") is not None:
+        p = _mapping(source, "parser", doc["parser"])
+        _check_keys(source, "parser", p, {"pluginRef"})
+        parser = ParserSpec(_name(source, "parser.pluginRef", p.get("pluginRef")))
+
+    return EndpointPickerConfig(source, tuple(plugins), tuple(profiles), gates, sat_ref,
+                                data_layer, parser, tuple(warnings))
 
 
 def load_config_file(path: str | Path) -> EndpointPickerConfig:
@@ -247,138 +415,332 @@ def load_config_file(path: str | Path) -> EndpointPickerConfig:
         text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"{p}: cannot read config file: {e.strerror or e}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not a UTF-8 text file: {e}") from e
     return parse_config(text, str(p))
+
+
+# --------------------------------------------------------------------------- phase 2
 
 
 def build(
     config: EndpointPickerConfig,
     registry: Registry | None = None,
     timer: PluginTimer = no_timer,
+    *,
+    strict: bool = False,
 ) -> BuiltConfig:
-    """Phase 2: create the plugins, inject defaults, assemble the scheduler."""
-    registry = registry or default_registry()
-    src = config.source
-    if not config.plugins and not config.profiles:
-        # Nothing to schedule with: an empty document means the built-in default.
-        default = parse_config(DEFAULT_CONFIG_TEXT, src)
-        config = EndpointPickerConfig(src, default.plugins, default.profiles,
-                                      config.feature_gates, config.saturation_detector)
-    handle = PluginHandle()
-    for spec in config.plugins:
-        builder = registry.builder(spec.type, f"{src}: {spec.path}.type")
-        try:
-            plugin = builder(spec.name, spec.parameters, f"{spec.path}.parameters", handle)
-        except ConfigError as e:
-            raise ConfigError(f"{src}: {e}") from e
-        except Exception as e:  # a user plugin's own bug: still name file and path
-            raise _err(src, spec.path, f"building {spec.type!r} failed: "
-                       f"{type(e).__name__}: {e}") from e
-        if not isinstance(plugin, Plugin):
-            raise _err(src, spec.path, f"{spec.type} did not build a plugin (needs name and "
-                       "type_name attributes)")
-        handle.plugins[spec.name] = plugin
-
-    # Second pass: plugins that depend on others (e.g. a scorer on its data producer) bind
-    # now that all are built; a bind may add the helper plugin it needs.
-    for spec in config.plugins:
-        plugin = handle.plugins[spec.name]
-        if isinstance(plugin, BindsPlugins):
-            try:
-                plugin.bind(handle)
-            except ConfigError as e:
-                raise _err(src, spec.path, str(e)) from e
-
-    handlers = handle.of_type(ProfileHandler)
-    if len(handlers) > 1:
-        raise _err(src, "plugins", "more than one profile handler declared: "
-                   f"{', '.join(h.name for h in handlers)}; keep one")
-
-    profile_specs = list(config.profiles)
-    if not profile_specs:
-        # No profiles: one 'default' profile with every filter, scorer and picker declared.
-        refs = tuple(PluginRef(p.name, None, "plugins") for p in handle
-                     if isinstance(p, (Filter, Scorer, Picker))
-                     and not isinstance(p, ProfileHandler))
-        profile_specs = [ProfileSpec("default", refs, "schedulingProfiles")]
-
-    if handlers:
-        handler = handlers[0]
-    else:
-        if len(profile_specs) > 1:
-            raise _err(src, "plugins", f"{len(profile_specs)} scheduling profiles need a profile handler "
-                       "plugin (e.g. disagg-profile-handler); single-profile-handler runs one")
-        default_handler = _BUILTINS.create("single-profile-handler", "single-profile-handler",
-                                          handle)
-        assert isinstance(default_handler, ProfileHandler)
-        handler = default_handler
-        handle.plugins.setdefault(handler.name, handler)
-
-    default_picker: Picker | None = None
-    profiles: dict[str, SchedulerProfile] = {}
-    for pspec in profile_specs:
-        filters: list[Filter] = []
-        scorers: list[tuple[Scorer, float]] = []
-        picker: Picker | None = None
-        for ref in pspec.plugins:
-            plugin = handle.plugins[ref.plugin_ref]
-            if isinstance(plugin, ProfileHandler):
-                raise _err(src, ref.path, f"{ref.plugin_ref!r} is a profile handler; it runs "
-                           "the profiles and cannot be used inside one")
-            role_found = False
-            if isinstance(plugin, Filter):
-                filters.append(plugin)
-                role_found = True
-            if isinstance(plugin, Scorer):
-                scorers.append((plugin, 1.0 if ref.weight is None else ref.weight))
-                role_found = True
-            elif ref.weight is not None:
-                raise _err(src, f"{ref.path}.weight", f"{ref.plugin_ref!r} is not a scorer; only "
-                           "scorers take a weight")
-            if isinstance(plugin, Picker):
-                if picker is not None:
-                    raise _err(src, ref.path, f"profile {pspec.name!r} has two pickers "
-                               f"({picker.name!r}, {plugin.name!r}); keep one")
-                picker = plugin
-                role_found = True
-            if not role_found:
-                raise _err(src, ref.path, f"{ref.plugin_ref!r} ({plugin.type_name}) is not a "
-                           "filter, scorer or picker and cannot be used in a profile")
-        if picker is None:
-            if default_picker is None:
-                built_picker = _BUILTINS.create("max-score-picker", "max-score-picker", handle)
-                assert isinstance(built_picker, Picker)
-                default_picker = built_picker
-            picker = default_picker
-        profiles[pspec.name] = SchedulerProfile(pspec.name, filters, scorers, picker, timer)
-
-    if isinstance(handler, ChecksProfiles):
-        try:
-            handler.check_profiles(set(profiles))
-        except ConfigError as e:
-            raise _err(src, "schedulingProfiles", str(e)) from e
-    built = BuiltConfig(
-        config=config,
-        plugins=handle.plugins,
-        scheduler=Scheduler(handler, profiles, timer),
-        pre_request=handle.of_type(PreRequest),
-        response_complete=handle.of_type(ResponseComplete),
-        endpoint_removed=handle.of_type(EndpointRemoved),
-        request_headers=handle.of_type(RequestHeaders),
-        response_headers=handle.of_type(ResponseHeaders),
-    )
-    if config.saturation_detector is not None:
-        detector = handle.plugins[config.saturation_detector]
-        if not isinstance(detector, SaturationDetector):
-            raise _err(src, "saturationDetector", f"{config.saturation_detector!r} is not a "
-                       "saturation detector (use a utilization-detector plugin)")
-        built.saturation_detector = detector
+    """Phase 2: create the plugins, inject defaults, check references, assemble the
+    scheduler. ``strict``: an unknown plugin parameter is an error, not a warning."""
+    with decoding(strict, config.source) as policy:
+        for w in config.warnings:
+            policy.warn(w)
+        built = _Builder(config, registry or default_registry(), timer, policy).build()
+        built.warnings = list(policy.warnings)
     return built
+
+
+class _Builder:
+    def __init__(self, config: EndpointPickerConfig, registry: Registry, timer: PluginTimer,
+                 policy: DecodePolicy) -> None:
+        src = config.source
+        if not config.plugins and not config.profiles:
+            # Nothing to schedule with: an empty document means the built-in default.
+            default = parse_config(DEFAULT_CONFIG_TEXT, src)
+            config = EndpointPickerConfig(src, default.plugins, default.profiles,
+                                          config.feature_gates, config.saturation_detector,
+                                          config.data_layer, config.parser, config.warnings)
+        self.config = config
+        self.src = src
+        self.registry = registry
+        self.timer = timer
+        self.policy = policy
+        self.handle = PluginHandle()
+        self.gates = frozenset(config.feature_gates)
+
+    def err(self, path: str, msg: str) -> ConfigError:
+        return _err(self.src, path, msg)
+
+    def warn(self, path: str, msg: str) -> None:
+        self.policy.warn(f"{path}: {msg}")
+
+    def _no_plugin(self, path: str, ref: str, what: str = "") -> ConfigError:
+        declared = ", ".join(sorted(self.declared)) or "none"
+        return self.err(path, f"no plugin named {ref!r} in 'plugins'"
+                        f"{suggest(ref, self.declared)}{what}; declared: {declared}")
+
+    def build(self) -> BuiltConfig:
+        cfg = self.config
+        # Every type first: an unknown type is reported before any other problem.
+        builders: list[Builder] = [self.registry.builder(spec.type, f"{self.src}: {spec.path}.type")
+                                   for spec in cfg.plugins]
+        for spec, builder in zip(cfg.plugins, builders, strict=True):
+            self._instantiate(spec, builder)
+        self.declared = {spec.name for spec in cfg.plugins}
+        # Plugins that depend on others (a scorer on its data producer) bind now that all
+        # are built; a bind may add the helper plugin it needs.
+        for spec in cfg.plugins:
+            plugin = self.handle.plugins[spec.name]
+            if isinstance(plugin, BindsPlugins):
+                try:
+                    plugin.bind(self.handle)
+                except ConfigError as e:
+                    raise self.err(spec.path, str(e)) from e
+
+        scheduler = self._scheduler()
+        handle = self.handle
+        return BuiltConfig(
+            config=cfg,
+            plugins=handle.plugins,
+            scheduler=scheduler,
+            pre_request=handle.of_type(PreRequest),
+            response_complete=handle.of_type(ResponseComplete),
+            endpoint_removed=handle.of_type(EndpointRemoved),
+            request_headers=handle.of_type(RequestHeaders),
+            response_headers=handle.of_type(ResponseHeaders),
+            response_usage_metadata=handle.of_type(ResponseUsageMetadata),
+            saturation_detector=self._saturation_detector(),
+            data_layer=self._data_layer(),
+            parser=cfg.parser,
+            parser_plugin=self._parser(),
+            feature_gates=self.gates,
+        )
+
+    def _instantiate(self, spec: PluginSpec, builder: Builder) -> None:
+        try:
+            plugin = builder(spec.name, spec.parameters, f"{spec.path}.parameters", self.handle)
+        except ConfigError as e:
+            raise ConfigError(f"{self.src}: {e}") from e
+        except Exception as e:  # a user plugin's own bug: still name file and path
+            raise self.err(spec.path, f"building {spec.type!r} failed: "
+                           f"{type(e).__name__}: {e}") from e
+        if not isinstance(plugin, Plugin):
+            raise self.err(spec.path, f"{spec.type} did not build a plugin (needs name and "
+                           "type_name attributes)")
+        self.handle.plugins[spec.name] = plugin
+
+    def _builtin(self, type_name: str) -> Plugin:
+        """A plugin GIE injects, with default parameters, named by its type."""
+        reg = self.registry if type_name in self.registry else _BUILTINS
+        return reg.create(type_name, type_name, self.handle)
+
+    # --- scheduling: GIE's ensureSchedulingLayer, validateSchedulingProfiles and
+    # buildSchedulerConfig ---
+
+    def _scheduler(self) -> Scheduler:
+        handle = self.handle
+        profile_specs = list(self.config.profiles)
+        for pspec in profile_specs:
+            for ref in pspec.plugins:
+                if ref.plugin_ref not in handle.plugins:
+                    raise self._no_plugin(f"{ref.path}.pluginRef", ref.plugin_ref)
+        if not profile_specs:
+            # No profiles: one 'default' profile with every filter, scorer and picker.
+            refs = tuple(PluginRef(p.name, None, "plugins") for p in handle
+                         if isinstance(p, (Filter, Scorer, Picker))
+                         and not isinstance(p, ProfileHandler))
+            profile_specs = [ProfileSpec("default", refs, "schedulingProfiles")]
+
+        handlers = handle.of_type(ProfileHandler)
+        if len(handlers) > 1:
+            raise self.err("plugins", "more than one profile handler declared: "
+                           f"{', '.join(h.name for h in handlers)}; keep one")
+        if handlers:
+            handler = handlers[0]
+        else:
+            if len(profile_specs) > 1:
+                raise self.err("plugins", f"{len(profile_specs)} scheduling profiles need a "
+                               "profile handler plugin (e.g. disagg-profile-handler); "
+                               "single-profile-handler runs one")
+            default_handler = self._builtin(SINGLE_PROFILE_HANDLER)
+            assert isinstance(default_handler, ProfileHandler)
+            handler = default_handler
+            handle.plugins.setdefault(handler.name, handler)
+        if handler.type_name == SINGLE_PROFILE_HANDLER and len(profile_specs) > 1:
+            raise self.err("schedulingProfiles", f"{handler.name!r} (single-profile-handler) "
+                           f"runs one profile; {len(profile_specs)} are configured "
+                           f"({', '.join(p.name for p in profile_specs)}): keep one, or "
+                           "declare a multi-profile handler (e.g. disagg-profile-handler)")
+
+        # A profile without a picker gets the config's (first declared) picker, else one
+        # shared max-score-picker (GIE: "find or create a default picker").
+        declared_pickers = [p for p in (handle.plugins[s.name] for s in self.config.plugins)
+                            if isinstance(p, Picker) and not isinstance(p, ProfileHandler)]
+        default_picker: Picker | None = None
+        if declared_pickers:
+            first = declared_pickers[0]
+            assert isinstance(first, Picker)
+            default_picker = first
+
+        profiles: dict[str, SchedulerProfile] = {}
+        for pspec in profile_specs:
+            filters: list[Filter] = []
+            scorers: list[tuple[Scorer, float]] = []
+            picker: Picker | None = None
+            for ref in pspec.plugins:
+                plugin = handle.plugins[ref.plugin_ref]
+                if isinstance(plugin, ProfileHandler):
+                    self.warn(ref.path, f"{ref.plugin_ref!r} is a profile handler; it runs the "
+                              "profiles and is ignored inside one")
+                    continue
+                role_found = False
+                if isinstance(plugin, Filter):
+                    filters.append(plugin)
+                    role_found = True
+                if isinstance(plugin, Scorer):
+                    scorers.append((plugin, 1.0 if ref.weight is None else ref.weight))
+                    role_found = True
+                elif ref.weight is not None:
+                    self.warn(f"{ref.path}.weight", f"{ref.plugin_ref!r} is not a scorer; "
+                              "its weight is ignored")
+                if isinstance(plugin, Picker):
+                    if picker is not None:
+                        raise self.err(ref.path, f"profile {pspec.name!r} has two pickers "
+                                       f"({picker.name!r}, {plugin.name!r}); keep one")
+                    picker = plugin
+                    role_found = True
+                if not role_found:
+                    self.warn(ref.path, f"{ref.plugin_ref!r} ({plugin.type_name}) is not a "
+                              "filter, scorer or picker; ignored in the profile")
+            if picker is None:
+                if default_picker is None:
+                    built_picker = self._builtin(MAX_SCORE_PICKER)
+                    assert isinstance(built_picker, Picker)
+                    default_picker = built_picker
+                picker = default_picker
+            profiles[pspec.name] = SchedulerProfile(pspec.name, filters, scorers, picker,
+                                                    self.timer)
+
+        if isinstance(handler, ChecksProfiles):
+            try:
+                handler.check_profiles(set(profiles))
+            except ConfigError as e:
+                raise self.err("schedulingProfiles", str(e)) from e
+        return Scheduler(handler, profiles, self.timer)
+
+    # --- saturation detector: ensureSaturationDetector, validateSaturationDetector ---
+
+    def _saturation_detector(self) -> SaturationDetector:
+        ref = self.config.saturation_detector
+        path = "saturationDetector.pluginRef" if ref else "saturationDetector"
+        name = ref or UTILIZATION_DETECTOR
+        plugin = self.handle.get(name)
+        if plugin is None:
+            if name != UTILIZATION_DETECTOR:
+                raise self._no_plugin(path, name, " (a saturation detector, e.g. "
+                                      "utilization-detector or concurrency-detector)")
+            plugin = self._builtin(UTILIZATION_DETECTOR)  # GIE's default, its defaults
+        if not isinstance(plugin, SaturationDetector):
+            raise self.err("saturationDetector", f"{name!r} is not a saturation detector "
+                           "(use a utilization-detector or concurrency-detector plugin)")
+        return plugin
+
+    # --- data layer: ensureDataLayer, buildDataLayerConfig, Runtime.Configure ---
+
+    def _data_layer(self) -> DataLayerConfig | None:
+        spec = self.config.data_layer
+        if FEATURE_LEGACY_METRICS in self.gates:
+            if spec is not None:
+                self.warn("dataLayer", "ignored under the enableLegacyMetrics feature gate "
+                          "(metrics are scraped as the --model-server-metrics-* flags say)")
+            return None
+        if spec is None:
+            # GIE's default: metrics-data-source → core-metrics-extractor, the declared
+            # plugins of those names when there are.
+            source = self.handle.get(METRICS_DATA_SOURCE) or self._builtin(METRICS_DATA_SOURCE)
+            extractor = (self.handle.get(CORE_METRICS_EXTRACTOR)
+                         or self._builtin(CORE_METRICS_EXTRACTOR))
+            if not isinstance(source, DataSource):
+                raise self.err("plugins", f"{METRICS_DATA_SOURCE!r} ({source.type_name}) is not "
+                               "a data source; the default data layer reads the plugin of "
+                               "that name: rename it, or add a dataLayer section")
+            if not isinstance(extractor, DataExtractor):
+                raise self.err("plugins", f"{CORE_METRICS_EXTRACTOR!r} ({extractor.type_name}) "
+                               "is not a data extractor; the default data layer reads the "
+                               "plugin of that name: rename it, or add a dataLayer section")
+            self._check_pair(source, extractor, "plugins")
+            return DataLayerConfig((SourceConfig(source, (extractor,)),), injected=True)
+        if not spec.sources:
+            raise self.err("dataLayer.sources", "the data layer is on but has no data source "
+                           "(GIE fails at startup: 'data layer enabled but no data sources "
+                           "configured'); add a source (metrics-data-source with "
+                           "core-metrics-extractor), or remove the section for the default; to "
+                           "scrape nothing use --no-metrics-scraping")
+        sources: list[SourceConfig] = []
+        gvks: dict[str, str] = {}
+        metrics_sources = 0
+        for s in spec.sources:
+            plugin = self.handle.get(s.plugin_ref)
+            if plugin is None:
+                raise self._no_plugin(f"{s.path}.pluginRef", s.plugin_ref)
+            if not isinstance(plugin, DataSource):
+                raise self.err(f"{s.path}.pluginRef", f"{s.plugin_ref!r} ({plugin.type_name}) "
+                               "is not a data source (metrics-data-source, "
+                               "endpoint-notification-source, k8s-notification-source)")
+            extractors: list[DataExtractor] = []
+            for j, ref in enumerate(s.extractors):
+                epath = f"{s.path}.extractors[{j}].pluginRef"
+                ext = self.handle.get(ref)
+                if ext is None:
+                    raise self._no_plugin(epath, ref)
+                if not isinstance(ext, DataExtractor):
+                    raise self.err(epath, f"{ref!r} ({ext.type_name}) is not a data extractor "
+                                   "(e.g. core-metrics-extractor)")
+                self._check_pair(plugin, ext, epath)
+                extractors.append(ext)
+            gvk = getattr(plugin, "gvk", None)
+            if isinstance(gvk, str):
+                if gvk in gvks:
+                    raise self.err(f"{s.path}.pluginRef", f"duplicate notification source "
+                                   f"GVK {gvk}: already used by source {gvks[gvk]!r}")
+                gvks[gvk] = plugin.name
+            if plugin.type_name == METRICS_DATA_SOURCE:
+                metrics_sources += 1
+                if metrics_sources > 1:
+                    raise self.err(f"{s.path}.pluginRef", "more than one metrics-data-source "
+                                   "is not supported: the EPP has one scraper; keep one")
+                cores = [e for e in extractors if e.type_name == CORE_METRICS_EXTRACTOR]
+                if len(cores) > 1:
+                    raise self.err(f"{s.path}.extractors", "more than one "
+                                   "core-metrics-extractor on one source is not supported; "
+                                   "keep one (engineConfigs covers every engine)")
+            sources.append(SourceConfig(plugin, tuple(extractors)))
+        return DataLayerConfig(tuple(sources))
+
+    def _check_pair(self, source: DataSource, extractor: DataExtractor, path: str) -> None:
+        if extractor.data_input != source.data_output:
+            raise self.err(path, f"extractor {extractor.name!r} ({extractor.type_name}) reads "
+                           f"{extractor.data_input}, but source {source.name!r} "
+                           f"({source.type_name}) produces {source.data_output}")
+        sg, eg = getattr(source, "gvk", None), getattr(extractor, "gvk", None)
+        if isinstance(sg, str) and isinstance(eg, str) and sg != eg:
+            raise self.err(path, f"extractor {extractor.name!r} GVK {eg} does not match "
+                           f"source {source.name!r} GVK {sg}")
+
+    # --- parser: ensureParser, buildParserConfig ---
+
+    def _parser(self) -> RequestParser | None:
+        spec = self.config.parser
+        name = spec.plugin_ref if spec is not None else OPENAI_PARSER
+        plugin = self.handle.get(name)
+        if plugin is None:
+            if spec is not None:
+                raise self._no_plugin(spec.path, name, " (a parser, e.g. openai-parser)")
+            if OPENAI_PARSER not in self.registry and OPENAI_PARSER not in _BUILTINS:
+                return None
+            plugin = self._builtin(OPENAI_PARSER)
+        if not isinstance(plugin, RequestParser):
+            raise self.err(spec.path if spec is not None else "plugins",
+                           f"{name!r} ({plugin.type_name}) is not a parser plugin "
+                           "(openai-parser, passthrough-parser, vllmgrpc-parser)")
+        return plugin
 
 
 def load_and_build(path: str | None = None, text: str | None = None,
                    registry: Registry | None = None,
-                   timer: PluginTimer = no_timer) -> BuiltConfig:
-    """Load from a file, from inline text, or the built-in default; then build."""
+                   timer: PluginTimer = no_timer, *, strict: bool = False) -> BuiltConfig:
+    """Load from a file, from inline text, or the built-in default; then build.
+    ``strict``: unknown plugin parameters are errors (``--strict-config``)."""
     if path is not None and text is not None:
         raise ConfigError("give --config-file or --config-text, not both")
     if path is not None:
@@ -387,4 +749,4 @@ def load_and_build(path: str | None = None, text: str | None = None,
         cfg = parse_config(text, "--config-text")
     else:
         cfg = parse_config(DEFAULT_CONFIG_TEXT, "<default config>")
-    return build(cfg, registry, timer)
+    return build(cfg, registry, timer, strict=strict)

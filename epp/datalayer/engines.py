@@ -17,6 +17,8 @@ reporting adapters that are gone; this does not).
 
 :class:`EngineMappings` picks a mapping per endpoint from its ``llm-d.ai/engine-type``
 (or ``inference.networking.k8s.io/engine-type``) label, default vLLM.
+:func:`mapping_from_config` builds a mapping from GIE's ``core-metrics-extractor``
+``engineConfigs`` entry (every spec a string, ``""`` = not read).
 """
 
 from __future__ import annotations
@@ -312,6 +314,39 @@ class MappingOverrides:
         return dataclasses.replace(m, **changes)  # type: ignore[arg-type]
 
 
+def mapping_from_config(engine: str, *, queued: str = "", running: str = "",
+                        kv_usage: str = "", lora: str = "", cache_info: str = "",
+                        cache_block_size_label: str = "", cache_num_blocks_label: str = "",
+                        cache_block_size: str = "", cache_num_blocks: str = "",
+                        where: str = "engineConfigs") -> EngineMapping:
+    """An :class:`EngineMapping` from GIE's ``engineConfigs`` fields (its
+    ``NewMappingFromConfig``): each spec ``name`` or ``name{label=value,…}``, ``""`` for
+    "not read"; block size and count come from the ``cache_info`` metric's labels
+    (``block_size`` / ``num_gpu_blocks`` unless renamed) or from gauges of their own.
+    Raises :class:`ConfigError` naming ``where`` and the field."""
+    def one(value: str, field_name: str) -> tuple[Source, ...]:
+        spec = MetricSpec.parse(value, f"{where}.{field_name}")
+        return () if spec is None else (Source(spec),)
+
+    info = MetricSpec.parse(cache_info, f"{where}.cacheInfoSpec")
+    block_size = one(cache_block_size, "cacheBlockSizeSpec")
+    num_blocks = one(cache_num_blocks, "cacheNumBlocksSpec")
+    if info is not None:
+        block_size = (Source(info, cache_block_size_label or keys.VLLM_BLOCK_SIZE_LABEL),
+                      *block_size)
+        num_blocks = (Source(info, cache_num_blocks_label or keys.VLLM_NUM_BLOCKS_LABEL),
+                      *num_blocks)
+    return EngineMapping(
+        engine=engine,
+        waiting=one(queued, "queuedRequestsSpec"),
+        running=one(running, "runningRequestsSpec"),
+        kv_usage=one(kv_usage, "kvUsageSpec"),
+        lora_info=MetricSpec.parse(lora, f"{where}.loraSpec"),
+        block_size=block_size,
+        num_blocks=num_blocks,
+    )
+
+
 class EngineMappings:
     """Engine mapping per endpoint, from its engine-type label; default ``default``.
 
@@ -320,9 +355,14 @@ class EngineMappings:
     values it has warned about; it is owned by one scraper, never shared module-wide).
     """
 
+    #: The labels read for the engine type, first present wins (``core-metrics-extractor``
+    #: with an ``engineLabelKey`` reads that one only).
+    DEFAULT_LABEL_KEYS = (keys.LABEL_ENGINE, keys.LABEL_ENGINE_GIE)
+
     def __init__(self, mappings: Mapping[str, EngineMapping] | None = None,
                  default: str = keys.ENGINE_VLLM,
-                 overrides: MappingOverrides | None = None) -> None:
+                 overrides: MappingOverrides | None = None,
+                 label_keys: Sequence[str] = DEFAULT_LABEL_KEYS) -> None:
         table = dict(mappings if mappings is not None else builtin_mappings())
         if default not in table:
             raise ConfigError(f"unknown default engine {default!r}; known: "
@@ -331,6 +371,7 @@ class EngineMappings:
             table[default] = overrides.apply(table[default])
         self._table = {k.lower(): v for k, v in table.items()}
         self.default = self._table[default.lower()]
+        self.label_keys = tuple(label_keys)
         self._warned: set[str] = set()
 
     @property
@@ -341,7 +382,7 @@ class EngineMappings:
         return self._table.get(engine.lower())
 
     def for_endpoint(self, ep: Endpoint) -> EngineMapping:
-        value = ep.labels.get(keys.LABEL_ENGINE) or ep.labels.get(keys.LABEL_ENGINE_GIE)
+        value = next((v for v in (ep.labels.get(k) for k in self.label_keys) if v), None)
         if not value:
             return self.default
         m = self._table.get(value.lower())

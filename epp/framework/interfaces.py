@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from epp.scheduling.types import (
     CycleState,
@@ -175,6 +175,55 @@ class NeedsResponse(Plugin, Protocol):
     such stream; docs/plugins.md)."""
 
     response_needs: frozenset[str]
+
+
+@runtime_checkable
+class ResponseUsageMetadata(Plugin, Protocol):
+    """A plugin that turns the response's ``usage`` object into Envoy dynamic metadata
+    (GIE's ResponseBody extension point, e.g. ``request-attribute-reporter``)."""
+
+    def usage_metadata(self, request: LLMRequest,
+                       usage: Mapping[str, Any]) -> Mapping[str, Mapping[str, float]] | None:
+        """``{namespace: {key: value}}`` to send with the end of the response, or None."""
+        ...
+
+
+# --- data layer (the config's ``dataLayer.sources``; epp/datalayer/config.py) ---
+
+#: What a data source produces and an extractor consumes (GIE checks the Go types).
+DATA_PROMETHEUS = "prometheus-metrics"
+DATA_ENDPOINT_EVENTS = "endpoint-events"
+DATA_K8S_NOTIFICATIONS = "k8s-notifications"
+
+
+@runtime_checkable
+class DataSource(Plugin, Protocol):
+    """A data-layer source: ``metrics-data-source`` (polled /metrics),
+    ``endpoint-notification-source``, ``k8s-notification-source``."""
+
+    data_output: str  # one of the DATA_* kinds
+
+
+@runtime_checkable
+class DataExtractor(Plugin, Protocol):
+    """A data-layer extractor, attached to a source whose ``data_output`` it reads."""
+
+    data_input: str  # one of the DATA_* kinds
+
+
+@runtime_checkable
+class EndpointExtractor(DataExtractor, Protocol):
+    """Reads ``endpoint-notification-source`` events: an endpoint joined the pool (or
+    changed) — ``"add-or-update"`` — or left it — ``"delete"``."""
+
+    def extract_endpoint(self, event: str, endpoint: Endpoint) -> None: ...
+
+
+@runtime_checkable
+class RequestParser(Plugin, Protocol):
+    """A plugin the config's ``parser: {pluginRef: …}`` may name."""
+
+    parser_protocol: str  # the payload format it reads, e.g. "openai"
 
 
 class PluginTimer(Protocol):

@@ -10,9 +10,18 @@ A plugin declares its parameters as a frozen dataclass, one field per config key
 :func:`decode_params` builds it from the config's ``parameters`` mapping: a missing or
 ``null`` key takes the default; ``int``, ``float``, ``bool`` and ``str`` fields (and their
 ``| None`` forms) are type- and range-checked; a field with ``parse=`` is decoded by that
-function (``parse(value, path)``, raising ``ConfigError``); a key no field declares is an
-error listing the accepted ones; checks across fields go in ``__post_init__`` and raise
-:class:`ParameterError` naming the key. Every message names the key's path in the file.
+function (``parse(value, path)``, raising ``ConfigError``); checks across fields go in
+``__post_init__`` and raise :class:`ParameterError` naming the key. Every message names
+the key's path in the file.
+
+Unknown keys: GIE's plugin factories decode parameters with ``json.Unmarshal``, which
+ignores keys no field declares. So does this module by default: each unknown key is
+reported once, as a warning naming its path (with a "did you mean" when a declared key
+is close), and ignored. Under :func:`decoding` with ``strict=True`` (``epp check-config
+--strict``, ``epp serve --strict-config``) an unknown key is an error instead. The switch
+is set once by the config loader around the whole build; plugins never see it — a
+``parse=`` function that reads a nested mapping reports its unknown keys with
+:func:`report_unknown` and gets the same behaviour.
 
 :class:`Params` is the older reader (``params.int("key", default)``, then
 ``params.done()``), kept for Python plugins written against it (docs/plugins.md).
@@ -21,17 +30,98 @@ error listing the accepted ones; checks across fields go in ``__post_init__`` an
 from __future__ import annotations
 
 import builtins
+import contextlib
 import dataclasses
+import difflib
+import logging
 import re
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from epp.errors import ConfigError
 
 P = TypeVar("P")
+
+log = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------- unknown keys: warn or fail
+
+
+@dataclass
+class DecodePolicy:
+    """How the decoders treat unknown keys while a config is built (:func:`decoding`).
+
+    ``strict``: an unknown key is a :class:`ConfigError`; otherwise a warning.
+    ``source``: the file (or ``--config-text``) put in front of each warning.
+    ``warnings``: every warning issued, in order (the loader hands them to
+    ``epp check-config``, which prints them).
+    """
+
+    strict: bool = False
+    source: str = ""
+    warnings: list[str] = field(default_factory=list)
+
+    def warn(self, message: str) -> None:
+        text = f"{self.source}: {message}" if self.source else message
+        if text not in self.warnings:
+            self.warnings.append(text)
+            log.warning("%s", text)
+
+
+_POLICY: ContextVar[DecodePolicy | None] = ContextVar("epp_decode_policy", default=None)
+
+
+@contextlib.contextmanager
+def decoding(strict: bool = False, source: str = "") -> Iterator[DecodePolicy]:
+    """Decode parameters under one policy (the config loader wraps a whole build in it)."""
+    policy = DecodePolicy(strict, source)
+    token = _POLICY.set(policy)
+    try:
+        yield policy
+    finally:
+        _POLICY.reset(token)
+
+
+def current_policy() -> DecodePolicy:
+    """The policy in force; outside :func:`decoding`, lenient with warnings logged only."""
+    policy = _POLICY.get()
+    return policy if policy is not None else DecodePolicy()
+
+
+def suggest(name: str, candidates: Collection[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest candidate, or ``""`` when none is close."""
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def report_unknown(path: str, unknown: Collection[str], accepted: Collection[str],
+                   what: str = "parameter") -> None:
+    """Keys under ``path`` that nothing reads: a :class:`ConfigError` under a strict
+    policy, else one warning per key (the key is ignored, as GIE ignores it)."""
+    if not unknown:
+        return
+    keys = sorted(unknown)
+    accepts = ", ".join(sorted(accepted)) or "none"
+    policy = current_policy()
+    if policy.strict:
+        where = ", ".join(f"{path}.{k}" for k in keys)
+        hints = "".join(suggest(k, accepted) for k in keys)
+        raise ConfigError(f"{where}: unknown {what}{hints}; this plugin accepts: {accepts} "
+                          "(strict mode: check-config --strict or serve --strict-config; without it the parameter is ignored with a warning)")
+    for k in keys:
+        policy.warn(f"{path}.{k}: unknown {what}, ignored{suggest(k, accepted)}; "
+                    f"this plugin accepts: {accepts}")
+
+
+def config_warning(path: str, message: str) -> None:
+    """A warning about a config value that is accepted (a deprecated spelling, a value
+    with no effect here), reported through the policy in force."""
+    current_policy().warn(f"{path}: {message}")
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ns|us|µs|ms|s|m|h)\s*$")
 _UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -87,7 +177,7 @@ def param(key: str, default: Any = None, *, minimum: float | None = None,
 
 @dataclass(frozen=True)
 class NoParameters:
-    """For plugins that take none: any key is an error."""
+    """For plugins that take none: every key is unknown (:func:`report_unknown`)."""
 
 
 def _base_type(t: Any) -> Any:
@@ -118,11 +208,7 @@ def decode_params(cls: type[P], raw: Any, path: str) -> P:
     if not dataclasses.is_dataclass(cls):
         raise TypeError(f"{cls!r} is not a dataclass")
     fields = {_key(f): f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - set(fields))
-    if unknown:
-        where = ", ".join(f"{path}.{k}" for k in unknown)
-        raise ConfigError(f"{where}: unknown parameter; this plugin accepts: "
-                          f"{', '.join(sorted(fields)) or 'none'}")
+    report_unknown(path, set(raw) - set(fields), fields)
     hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
     for key, f in fields.items():
@@ -167,8 +253,8 @@ def _decode(v: Any, t: Any, spec: _Spec | None, path: str) -> Any:
 class Params:
     """The older, imperative reader of a plugin's ``parameters`` mapping.
 
-    Read each key with a typed getter; ``done()`` rejects any key not read, so a typo
-    fails at startup with the path of the bad key.
+    Read each key with a typed getter; ``done()`` reports any key not read (a warning, or
+    an error in strict mode: :func:`report_unknown`) with the path of the bad key.
     """
 
     def __init__(self, raw: Mapping[str, Any] | None, path: builtins.str) -> None:
@@ -236,8 +322,4 @@ class Params:
         return self._get(key)
 
     def done(self) -> None:
-        unknown = sorted(set(self._raw) - self._read)
-        if unknown:
-            known = ", ".join(sorted(self._read)) or "none"
-            where = ", ".join(f"{self.path}.{k}" for k in unknown)
-            raise ConfigError(f"{where}: unknown parameter; this plugin accepts: {known}")
+        report_unknown(self.path, set(self._raw) - self._read, self._read)

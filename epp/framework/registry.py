@@ -2,7 +2,8 @@
 
 A plugin class is registered by its ``type_name``; building one decodes the config's
 ``parameters`` into the class's ``Parameters`` dataclass (epp/framework/params.py) and
-calls ``from_params(name, parameters, handle)``. The built-in plugins register in one
+calls ``from_params(name, parameters, handle)`` (which may raise ``ParameterError`` for a
+parameter that must be given; the error then names its path). The built-in plugins register in one
 place, :mod:`epp.scheduling.plugins.catalog`. A user's own plugin is referenced by import
 path as its ``type`` (``mypkg.module:ClassName``, docs/plugins.md); a class without a
 ``Parameters`` dataclass gets the older :class:`~epp.framework.params.Params` reader.
@@ -17,7 +18,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 from epp.errors import ConfigError
 from epp.framework.handle import PluginHandle
 from epp.framework.interfaces import Plugin
-from epp.framework.params import Params, decode_params
+from epp.framework.params import ParameterError, Params, decode_params, suggest
 
 # (name, raw ``parameters`` mapping, its path in the file, handle) → plugin
 Builder = Callable[[str, Mapping[str, Any] | None, str, PluginHandle], Plugin]
@@ -49,7 +50,11 @@ def builder_for(cls: Any, ref: str) -> Builder:
 
         def build(name: str, raw: Mapping[str, Any] | None, path: str,
                   handle: PluginHandle) -> Plugin:
-            return typed.from_params(name, decode_params(typed.Parameters, raw, path), handle)
+            params = decode_params(typed.Parameters, raw, path)
+            try:
+                return typed.from_params(name, params, handle)
+            except ParameterError as e:  # e.g. a required parameter left out
+                raise ConfigError(f"{path}.{e.key}: {e.message}") from None
         return build
     if isinstance(cls, LegacyPluginClass):
         legacy = cls
@@ -80,6 +85,9 @@ class Registry:
     def types(self) -> list[str]:
         return sorted(self._builders)
 
+    def __contains__(self, type_name: object) -> bool:
+        return type_name in self._builders
+
     def builder(self, type_name: str, path: str) -> Builder:
         """The builder for a config ``type`` (``path`` locates it in errors): a registered
         name, or a Python plugin as ``package.module:ClassName``."""
@@ -89,7 +97,8 @@ class Registry:
         if ":" in type_name:
             return _import_builder(type_name, path)
         raise ConfigError(
-            f"{path}: unknown plugin type {type_name!r}; known types: {', '.join(self.types)} "
+            f"{path}: unknown plugin type {type_name!r}{suggest(type_name, self.types)}; "
+            f"known types: {', '.join(self.types)} "
             "(or a Python plugin as 'package.module:ClassName')"
         )
 

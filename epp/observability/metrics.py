@@ -1,37 +1,98 @@
 """Prometheus metrics with GIE's names (design.md §8), on a registry owned by the server.
 
+GIE v1.5.0's EPP defines 37 metrics (pkg/epp/metrics/metrics.go and
+pkg/epp/metrics/collectors/inference_pool.go); :class:`EppMetrics` registers the ones this
+EPP can record with GIE's names, types, help texts, label names and buckets, plus the
+project's own (``epp_`` prefix). docs/observability.md lists which GIE metrics are not
+exported and why (the latency predictor's, flow control's).
+
 No module-level registry: each :class:`EppMetrics` owns a ``CollectorRegistry``, so tests
 and several servers in one process do not collide. Pool-level gauges are computed from the
 datastore when scraped, costing nothing per request. Request metrics are recorded by
-:class:`MetricsObserver`, the scheduling core's always-on decision observer.
+:class:`MetricsObserver`, the scheduling core's always-on decision observer, which caches
+the labelled children it uses (``labels()`` costs about a microsecond; a dict hit a tenth).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from epp import __version__, keys
 from epp.datastore.store import Datastore
 from epp.framework.interfaces import Plugin
-from epp.observability.observer import Observer
+from epp.observability.observer import Observer, ResponseStats
 from epp.parsing.usage import Usage
 from epp.scheduling.plugins.roles import endpoint_role
 from epp.scheduling.types import Endpoint, LLMRequest, SchedulingResult
 
-_LATENCY_BUCKETS = (0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.25, 1.5, 2, 3, 4, 5,
-                    6, 8, 10, 15, 20, 30, 45, 60, 120, 180, 240, 300, 360, 480, 600, 900,
-                    1200, 1800, 2700, 3600)
-_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32778,
-                  65536, 131072, 262144, 524288, 1048576)
-_SCHED_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
+
+def _alpha(text: str) -> str:
+    """GIE's help texts carry the metric's stability level (metricsutil.HelpMsgWithStability)."""
+    return f"[ALPHA] {text}"
+
+
+# Buckets, as GIE v1.5.0 defines them (pkg/epp/metrics/metrics.go).
+GENERAL_LATENCY_BUCKETS = (0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.25, 1.5, 2, 3,
+                           4, 5, 6, 8, 10, 15, 20, 30, 45, 60, 120, 180, 240, 300, 360, 480,
+                           600, 900, 1200, 1800, 2700, 3600)
+TPOT_BUCKETS = (0.0005, 0.00205, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.125, 0.15, 0.2,
+                0.3, 0.4, 0.5, 0.6, 0.8, 1, 1.5, 2, 3, 4.5, 6, 12, 18, 24, 30, 36, 48, 60,
+                90, 120, 180, 270, 360)
+REQUEST_SIZE_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536,
+                        131072, 262144, 524288, 1048576, 2097152, 4194304, 8388608,
+                        16777216, 33554432, 67108864, 134217728, 268435456, 536870912,
+                        1073741824)
+RESPONSE_SIZE_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                         32778, 65536)
+INPUT_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32778,
+                       65536, 131072, 262144, 524288, 1048576)
+OUTPUT_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+NTPOT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+SCHEDULER_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
+HIT_RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+HIT_BYTES_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+
+# The ``priority`` label of inference_objective_request_total: the InferenceObjective's
+# priority, 0 when the request names none (GIE's Director.getInferenceObjective). This EPP
+# does not read InferenceObjective resources, so every request has GIE's default.
+DEFAULT_PRIORITY = "0"
+
+# scheduler_attempts_total ``status`` values (GIE's SchedulerStatusSuccess / Failure).
+SCHEDULER_SUCCESS = "success"
+SCHEDULER_FAILURE = "failure"
+
+# inference_objective_inference_request_metric ``type`` values this EPP sets.
+TYPE_TTFT = "ttft"
+TYPE_TPOT = "tpot"
+
+_M = TypeVar("_M", Counter, Gauge, Histogram)
+
+
+class _Children(Generic[_M]):
+    """A labelled metric's children, cached by label values (``labels()`` is not free)."""
+
+    __slots__ = ("_cache", "_metric")
+
+    def __init__(self, metric: _M) -> None:
+        self._metric: _M = metric
+        self._cache: dict[tuple[str, ...], _M] = {}
+
+    def get(self, *values: str) -> _M:
+        child = self._cache.get(values)
+        if child is None:
+            child = self._cache[values] = self._metric.labels(*values)
+        return child
 
 
 class _PoolCollector(Collector):
+    """GIE's pool gauges, computed from the datastore at scrape time. ``name`` is the
+    pool's name (see :func:`EppMetrics`); averages are over the pool's endpoints."""
+
     def __init__(self, store: Datastore, pool_name: str) -> None:
         self._store = store
         self._pool = pool_name
@@ -40,25 +101,29 @@ class _PoolCollector(Collector):
         eps = self._store.snapshot()
         n = len(eps)
         kv = GaugeMetricFamily("inference_pool_average_kv_cache_utilization",
-                               "The average kv cache utilization for an inference server pool.",
-                               labels=["name"])
+                               _alpha("The average kv cache utilization for an inference "
+                                      "server pool."), labels=["name"])
         q = GaugeMetricFamily("inference_pool_average_queue_size",
-                              "The average number of requests pending in the model server queue.",
-                              labels=["name"])
+                              _alpha("The average number of requests pending in the model "
+                                     "server queue."), labels=["name"])
+        running = GaugeMetricFamily("inference_pool_average_running_requests",
+                                    _alpha("The average number of running requests across "
+                                           "model servers in the pool."), labels=["name"])
         ready = GaugeMetricFamily("inference_pool_ready_pods",
-                                  "The number of ready pods in the inference server pool.",
-                                  labels=["name"])
+                                  _alpha("The number of ready pods in the inference server "
+                                         "pool."), labels=["name"])
         per_pod = GaugeMetricFamily("inference_pool_per_pod_queue_size",
-                                    "The total number of requests pending in the model server "
-                                    "queue for each underlying pod.",
+                                    _alpha("The total number of requests pending in the model "
+                                           "server queue for each underlying pod."),
                                     labels=["name", "model_server_pod"])
-        kv.add_metric([self._pool], sum(e.metrics.kv_cache_usage for e in eps) / n if n else 0.0)
-        q.add_metric([self._pool],
-                     sum(e.metrics.waiting_queue_size for e in eps) / n if n else 0.0)
-        ready.add_metric([self._pool], n)
+        lab = [self._pool]
+        kv.add_metric(lab, sum(e.metrics.kv_cache_usage for e in eps) / n if n else 0.0)
+        q.add_metric(lab, sum(e.metrics.waiting_queue_size for e in eps) / n if n else 0.0)
+        running.add_metric(lab, sum(e.metrics.running_requests for e in eps) / n if n else 0.0)
+        ready.add_metric(lab, n)
         for e in eps:
             per_pod.add_metric([self._pool, e.name], e.metrics.waiting_queue_size)
-        return [kv, q, ready, per_pod, *self._per_role(eps)]
+        return [kv, q, running, ready, per_pod, *self._per_role(eps)]
 
     def _per_role(self, eps: Sequence[Endpoint]) -> list[GaugeMetricFamily]:
         """P/D signals for autoscaling each role's pods (e.g. a Grove PodClique): the
@@ -108,56 +173,108 @@ class GangCollector(Collector):
 
 
 class EppMetrics:
+    """The EPP's metrics on their own registry.
+
+    ``pool_name``: the ``name`` label of the pool gauges — the InferencePool's name
+    (``--pool-name``; GIE's ``pool.Name``), ``static`` for endpoints given on the command
+    line or in a file (no pool exists then).
+    """
+
     def __init__(self, store: Datastore, pool_name: str = "static") -> None:
         self.registry = r = CollectorRegistry()
-        labels = ["model_name", "target_model_name"]
+        self.pool_name = pool_name
+        model = ["model_name", "target_model_name"]
+        # --- GIE: inference objective (pkg/epp/metrics/metrics.go) ---
         self.request_total = Counter(
             "inference_objective_request_total",
-            "Counter of inference objective requests broken out for each model and target model.",
-            labels, registry=r)
+            _alpha("Counter of inference objective requests broken out for each model and "
+                   "target model."), [*model, "priority"], registry=r)
         self.request_error_total = Counter(
             "inference_objective_request_error_total",
-            "Counter of inference objective requests errors broken out for each model and "
-            "target model.", [*labels, "error_code"], registry=r)
+            _alpha("Counter of inference objective requests errors broken out for each model "
+                   "and target model."), [*model, "error_code"], registry=r)
+        self.request_metric = Gauge(
+            "inference_objective_inference_request_metric",
+            _alpha("Consolidated gauge for various inference request metrics including TTFT, "
+                   "TPOT, SLOs, and prediction durations."), [*model, "type"], registry=r)
+        self.request_ttft = Histogram(
+            "inference_objective_request_ttft_seconds",
+            _alpha("Inference model TTFT distribution in seconds for each model and target "
+                   "model."), model, buckets=GENERAL_LATENCY_BUCKETS, registry=r)
+        self.request_tpot = Histogram(
+            "inference_objective_request_tpot_seconds",
+            _alpha("Inference model TPOT distribution in seconds for each model and target "
+                   "model."), model, buckets=TPOT_BUCKETS, registry=r)
         self.request_duration = Histogram(
             "inference_objective_request_duration_seconds",
-            "Inference objective response latency distribution in seconds for each model and "
-            "target model.", labels, buckets=_LATENCY_BUCKETS, registry=r)
+            _alpha("Inference objective response latency distribution in seconds for each "
+                   "model and target model."), model, buckets=GENERAL_LATENCY_BUCKETS,
+            registry=r)
+        self.request_sizes = Histogram(
+            "inference_objective_request_sizes",
+            _alpha("Inference objective requests size distribution in bytes for each model "
+                   "and target model."), model, buckets=REQUEST_SIZE_BUCKETS, registry=r)
+        self.response_sizes = Histogram(
+            "inference_objective_response_sizes",
+            _alpha("Inference objective responses size distribution in bytes for each model "
+                   "and target model."), model, buckets=RESPONSE_SIZE_BUCKETS, registry=r)
         self.input_tokens = Histogram(
             "inference_objective_input_tokens",
-            "Inference objective input token count distribution for requests in each model.",
-            labels, buckets=_TOKEN_BUCKETS, registry=r)
+            _alpha("Inference objective input token count distribution for requests in each "
+                   "model."), model, buckets=INPUT_TOKEN_BUCKETS, registry=r)
         self.output_tokens = Histogram(
             "inference_objective_output_tokens",
-            "Inference objective output token count distribution for requests in each model.",
-            labels, buckets=_TOKEN_BUCKETS, registry=r)
+            _alpha("Inference objective output token count distribution for requests in each "
+                   "model."), model, buckets=OUTPUT_TOKEN_BUCKETS, registry=r)
         self.cached_tokens = Histogram(
             "inference_objective_prompt_cached_tokens",
-            "Inference objective prompt cached token count distribution for requests in each "
-            "model.", labels, buckets=_TOKEN_BUCKETS, registry=r)
+            _alpha("Inference objective prompt cached token count distribution for requests "
+                   "in each model."), model, buckets=INPUT_TOKEN_BUCKETS, registry=r)
         self.running_requests = Gauge(
             "inference_objective_running_requests",
-            "Inference objective number of running requests in each model.",
+            _alpha("Inference objective number of running requests in each model."),
             ["model_name"], registry=r)
+        self.ntpot = Histogram(
+            "inference_objective_normalized_time_per_output_token_seconds",
+            _alpha("Inference objective latency divided by number of output tokens in "
+                   "seconds for each model and target model."), model,
+            buckets=NTPOT_BUCKETS, registry=r)
+        # --- GIE: scheduling ---
         self.scheduler_e2e = Histogram(
             "inference_extension_scheduler_e2e_duration_seconds",
-            "End-to-end scheduling latency distribution in seconds.",
-            buckets=_SCHED_BUCKETS, registry=r)
+            _alpha("End-to-end scheduling latency distribution in seconds."),
+            buckets=SCHEDULER_BUCKETS, registry=r)
+        self.scheduler_attempts = Counter(
+            "inference_extension_scheduler_attempts_total",
+            _alpha("Total number of scheduling attempts."),
+            ["status", "target_model_name", "pod_name", "namespace", "port"], registry=r)
         self.plugin_duration = Histogram(
             "inference_extension_plugin_duration_seconds",
-            "Plugin processing latency distribution in seconds for each extension point, "
-            "plugin type and plugin name.",
-            ["extension_point", "plugin_type", "plugin_name"], buckets=_SCHED_BUCKETS,
+            _alpha("Plugin processing latency distribution in seconds for each extension "
+                   "point, plugin type and plugin name."),
+            ["extension_point", "plugin_type", "plugin_name"], buckets=SCHEDULER_BUCKETS,
             registry=r)
-        self.prefix_hit_ratio = Histogram(
-            "inference_extension_prefix_indexer_hit_ratio",
-            "Ratio of the prompt's prefix blocks found in the chosen endpoint's cache "
-            "(approximate prefix index) to all its blocks.",
-            buckets=(0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0), registry=r)
         self._prefix_size = Gauge(
             "inference_extension_prefix_indexer_size",
-            "Number of prefix blocks held in the approximate prefix index, all endpoints.",
-            registry=r)
+            _alpha("Size of the prefix indexer."), registry=r)
+        self.prefix_hit_ratio = Histogram(
+            "inference_extension_prefix_indexer_hit_ratio",
+            _alpha("Ratio of prefix length matched to total prefix length in the cache "
+                   "lookup."), buckets=HIT_RATIO_BUCKETS, registry=r)
+        self.prefix_hit_bytes = Histogram(
+            "inference_extension_prefix_indexer_hit_bytes",
+            _alpha("Length of the prefix match in number of bytes in the cache lookup."),
+            buckets=HIT_BYTES_BUCKETS, registry=r)
+        info = Gauge("inference_extension_info",
+                     _alpha("General information of the current build of Inference "
+                            "Extension."), ["commit", "build_ref"], registry=r)
+        info.labels("", __version__).set(1)
+        # --- GIE: model rewrite (registered as GIE does; see docs/observability.md) ---
+        self.model_rewrite_decisions = Counter(
+            "inference_extension_model_rewrite_decisions_total",
+            _alpha("Total number of inference model rewrite decisions."),
+            ["model_rewrite_name", "model_name", "target_model"], registry=r)
+        # --- the project's own ---
         self.pd_decisions = Counter(
             "epp_pd_decisions_total",
             "Prefill/decode decisions of a disaggregating profile handler, by type "
@@ -172,9 +289,6 @@ class EppMetrics:
             "ext_proc streams by outcome: completed (response ended), rejected (answered "
             "with an error), aborted (the stream ended before the response did).",
             ["outcome"], registry=r)
-        info = Info("inference_extension", "General information of the current build of the "
-                    "endpoint picker.", registry=r)
-        info.info({"commit": "", "build_ref": __version__})
         r.register(_PoolCollector(store, pool_name))
         self.gangs = GangCollector()
         r.register(self.gangs)
@@ -195,10 +309,19 @@ class EppMetrics:
 
 
 class MetricsObserver(Observer):
-    """The request metrics of every decision (a DecisionObserver shared by all requests):
-    requests, errors, running requests, scheduling latency, the prefix hit ratio, P/D
-    decisions (``classify``: the profile handler's ``decision``, when it has one) and, at
-    completion, latency and token counts of successful responses.
+    """The request metrics of every decision (a DecisionObserver shared by all requests),
+    recorded where GIE's EPP records them:
+
+    - ``scheduled``: scheduling latency and a successful scheduling attempt (labelled with
+      the primary profile's first endpoint, the one the request goes to); a failed attempt
+      is recorded by the scheduling core itself (:meth:`record_attempt_failed`);
+    - ``decided``: the request counter (with its ``priority``), the request size, running
+      requests, the prefix indexer's hit ratio and hit bytes, P/D decisions
+      (``classify``: the profile handler's ``decision``, when it has one);
+    - ``responded`` (only when the protocol front saw the response body): the response
+      size, and for streamed responses TTFT and TPOT;
+    - ``completed``: running requests, and for successful responses latency, token counts
+      and normalized time per output token.
 
     Plugin latencies are not taken from ``plugin_timed``: the server wires
     :meth:`EppMetrics.observe_plugin` as the scheduler's PluginTimer when it builds the
@@ -207,40 +330,84 @@ class MetricsObserver(Observer):
 
     def __init__(self, metrics: EppMetrics,
                  classify: Callable[[SchedulingResult], str] | None = None) -> None:
-        self.metrics = metrics
+        self.metrics = m = metrics
         self._classify = classify
+        self._total = _Children(m.request_total)
+        self._request_sizes = _Children(m.request_sizes)
+        self._running = _Children(m.running_requests)
+        self._attempts = _Children(m.scheduler_attempts)
+        self._duration = _Children(m.request_duration)
+        self._input = _Children(m.input_tokens)
+        self._output = _Children(m.output_tokens)
+        self._cached = _Children(m.cached_tokens)
+        self._ntpot = _Children(m.ntpot)
+        self._response_sizes = _Children(m.response_sizes)
+        self._ttft = _Children(m.request_ttft)
+        self._tpot = _Children(m.request_tpot)
+        self._request_metric = _Children(m.request_metric)
 
     def scheduled(self, request: LLMRequest, result: SchedulingResult, seconds: float) -> None:
+        m = self.metrics
+        m.scheduler_e2e.observe(seconds)
+        e = result.primary.endpoints[0]
+        self._attempts.get(SCHEDULER_SUCCESS, request.target_model, e.name, e.namespace,
+                           str(e.port)).inc()
+
+    def record_attempt_failed(self, request: LLMRequest, seconds: float) -> None:
+        """The scheduler raised: a failed attempt (no endpoint labels), and its latency."""
         self.metrics.scheduler_e2e.observe(seconds)
+        self._attempts.get(SCHEDULER_FAILURE, request.target_model, "", "", "").inc()
 
     def decided(self, request: LLMRequest, result: SchedulingResult,
                 set_headers: dict[str, str], response_headers: dict[str, str]) -> None:
         m = self.metrics
-        hit = request.plugin_state.get(keys.PLUGIN_STATE_PREFIX_HIT_RATIO)
-        if hit is not None:
-            m.prefix_hit_ratio.observe(hit)
+        state = request.plugin_state
+        if state:
+            hit = state.get(keys.PLUGIN_STATE_PREFIX_HIT_RATIO)
+            if hit is not None:
+                m.prefix_hit_ratio.observe(hit)
+            hit_bytes = state.get(keys.PLUGIN_STATE_PREFIX_HIT_BYTES)
+            if hit_bytes is not None:
+                m.prefix_hit_bytes.observe(hit_bytes)
         if self._classify is not None:
             m.pd_decisions.labels(self._classify(result)).inc()
-        m.request_total.labels(request.incoming_model, request.target_model).inc()
-        m.running_requests.labels(request.incoming_model).inc()
+        model, target = request.incoming_model, request.target_model
+        self._total.get(model, target, DEFAULT_PRIORITY).inc()
+        self._request_sizes.get(model, target).observe(request.request_size_bytes)
+        if model:  # as GIE: no running-requests series for an empty model name
+            self._running.get(model).inc()
 
     def failed(self, request: LLMRequest, status: int, message: str | None) -> None:
         self.metrics.request_error_total.labels(
             request.incoming_model, request.target_model, str(status)).inc()
 
+    def responded(self, request: LLMRequest, status: int, response: ResponseStats) -> None:
+        model, target = request.incoming_model, request.target_model
+        self._response_sizes.get(model, target).observe(response.size)
+        if response.ttft is not None:
+            self._ttft.get(model, target).observe(response.ttft)
+            self._request_metric.get(model, target, TYPE_TTFT).set(response.ttft)
+        if response.tpot is not None:
+            self._tpot.get(model, target).observe(response.tpot)
+            self._request_metric.get(model, target, TYPE_TPOT).set(response.tpot)
+
     def completed(self, request: LLMRequest, status: int, aborted: bool,
                   usage: Usage | None, seconds: float) -> None:
-        m = self.metrics
-        m.running_requests.labels(request.incoming_model).dec()
-        labels = (request.incoming_model, request.target_model)
+        model, target = request.incoming_model, request.target_model
+        if model:
+            self._running.get(model).dec()
         if not aborted and 200 <= status < 300:
-            m.request_duration.labels(*labels).observe(seconds)
+            self._duration.get(model, target).observe(seconds)
             if usage is not None:
-                if usage.prompt_tokens is not None:
-                    m.input_tokens.labels(*labels).observe(usage.prompt_tokens)
-                if usage.completion_tokens is not None:
-                    m.output_tokens.labels(*labels).observe(usage.completion_tokens)
+                # As GIE: token counts of 0 are not observed (cached tokens are).
+                if usage.prompt_tokens:
+                    self._input.get(model, target).observe(usage.prompt_tokens)
+                out = usage.completion_tokens
+                if out:
+                    self._output.get(model, target).observe(out)
+                    if seconds > 0:
+                        self._ntpot.get(model, target).observe(seconds / out)
                 if usage.cached_tokens is not None:
-                    m.cached_tokens.labels(*labels).observe(usage.cached_tokens)
+                    self._cached.get(model, target).observe(usage.cached_tokens)
         elif status >= 400:
-            m.request_error_total.labels(*labels, str(status)).inc()
+            self.metrics.request_error_total.labels(model, target, str(status)).inc()

@@ -4,7 +4,7 @@ The scheduling core (epp/requestcontrol/director.py) computes a decision once an
 :class:`DecisionObserver` about each step of its life, in this order::
 
     started(candidates) → [scheduling detail, plugin timings] → scheduled(result)
-        → decided(headers) → … → completed(status, usage)
+        → decided(headers) → … → [responded(response)] → completed(status, usage)
     (or failed(status) instead, from any point before decided)
 
 Three implementations: ``MetricsObserver`` (epp/observability/metrics.py; shared by all
@@ -18,6 +18,7 @@ several look like one. An observer that wants the scheduler's per-plugin outcome
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from epp.framework.interfaces import Filter, Picker, Plugin, Scorer
@@ -30,6 +31,22 @@ from epp.scheduling.types import (
     SchedulingResult,
     ScoredEndpoint,
 )
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseStats:
+    """What the protocol front measured of a response body it saw pass (GIE's gateway
+    shape, or the split observer path; in the lean shape no body reaches the EPP and there
+    is none). Times are seconds, measured from the moment the front got the decision.
+
+    ``size``: response body bytes, as the model server sent them. ``ttft``: time to the
+    first body chunk of a streamed (SSE) 2xx response. ``tpot``: for such a response with
+    more than one completion token in its usage, (end − first chunk) / (tokens − 1), as
+    GIE's latency predictor computes its average TPOT."""
+
+    size: int
+    ttft: float | None = None
+    tpot: float | None = None
 
 
 class DecisionObserver(SchedulingObserver, Protocol):
@@ -70,6 +87,12 @@ class DecisionObserver(SchedulingObserver, Protocol):
     def failed(self, request: LLMRequest, status: int, message: str | None) -> None:
         """The request could not be placed: answered with ``status``. ``message`` is the
         error's, or ``None`` for an internal error (a plugin bug; its traceback is logged)."""
+        ...
+
+    def responded(self, request: LLMRequest, status: int, response: ResponseStats) -> None:
+        """The placed request's response body passed the protocol front, which measured
+        ``response``; called just before :meth:`completed`, only for responses that were
+        not aborted and whose body the front saw."""
         ...
 
     def completed(self, request: LLMRequest, status: int, aborted: bool,
@@ -115,6 +138,9 @@ class Observer:
         return None
 
     def failed(self, request: LLMRequest, status: int, message: str | None) -> None:
+        return None
+
+    def responded(self, request: LLMRequest, status: int, response: ResponseStats) -> None:
         return None
 
     def completed(self, request: LLMRequest, status: int, aborted: bool,
@@ -174,6 +200,10 @@ class Fanout:
     def failed(self, request: LLMRequest, status: int, message: str | None) -> None:
         for o in self.observers:
             o.failed(request, status, message)
+
+    def responded(self, request: LLMRequest, status: int, response: ResponseStats) -> None:
+        for o in self.observers:
+            o.responded(request, status, response)
 
     def completed(self, request: LLMRequest, status: int, aborted: bool,
                   usage: Usage | None, seconds: float) -> None:

@@ -74,7 +74,9 @@ class ParsedRequest:
     ``max_tokens`` is the output-token limit the client asked for (chat:
     ``max_completion_tokens`` preferred over ``max_tokens``; responses:
     ``max_output_tokens``); ``data`` is the decoded JSON object itself, kept so a model
-    rewrite can re-serialise it without decoding again.
+    rewrite can re-serialise it without decoding again — None when the body is not a JSON
+    object the EPP may rewrite (the vllmgrpc- and passthrough-parser's requests, which are
+    forwarded byte for byte).
     """
 
     api: ApiType
@@ -84,7 +86,7 @@ class ParsedRequest:
     max_tokens: int | None
     cache_salt: str | None
     user: str | None
-    data: dict[str, Any]
+    data: dict[str, Any] | None
 
 
 def api_type_for_path(path: str) -> ApiType:

@@ -28,7 +28,7 @@ import orjson
 
 from epp import keys
 from epp.datastore.store import Datastore
-from epp.errors import EppError, ServiceUnavailable
+from epp.errors import BadRequest, ConfigError, EppError, ServiceUnavailable
 from epp.framework.interfaces import (
     DecisionClassifier,
     Plugin,
@@ -40,10 +40,12 @@ from epp.framework.interfaces import (
 from epp.handlers.protocol import Routing
 from epp.observability.explain import DecisionLog, ExplainObserver
 from epp.observability.metrics import EppMetrics, MetricsObserver
-from epp.observability.observer import DecisionObserver, Fanout
+from epp.observability.observer import DecisionObserver, Fanout, ResponseStats
 from epp.observability.tracing import TraceObserver, Tracing
-from epp.parsing.request import ParsedRequest, api_type_for_path, parse_request_body, rewrite_model
-from epp.parsing.usage import Usage, UsageParser
+from epp.parsing.parser import Parser, ResponseParser
+from epp.parsing.parsers import OpenAIParser
+from epp.parsing.request import ParsedRequest, api_type_for_path, rewrite_model
+from epp.parsing.usage import Usage
 from epp.scheduling.scheduler import Scheduler
 from epp.scheduling.types import Endpoint, LLMRequest, SchedulingResult
 
@@ -184,6 +186,10 @@ class SchedulingCore:
         try:
             result = self.scheduler.schedule(request, candidates,
                                              observer if observer.detail else None)
+        except Exception:
+            # GIE counts a scheduling attempt and its latency whatever the outcome.
+            self._metrics_observer.record_attempt_failed(request, time.perf_counter() - t0)
+            raise
         finally:
             self._timed = None
         seconds = time.perf_counter() - t0
@@ -243,8 +249,10 @@ class SchedulingCore:
         ticket = _Ticket(request, placement.endpoint_key, time.monotonic(), observer)
         return Decision(result.destination(), set_headers, response_headers, ticket)
 
-    def complete(self, ticket: Any, status: int, aborted: bool, usage: Usage | None) -> None:
-        """The decided request's response ended (or its stream aborted). Exactly once."""
+    def complete(self, ticket: Any, status: int, aborted: bool, usage: Usage | None,
+                 response: ResponseStats | None = None) -> None:
+        """The decided request's response ended (or its stream aborted). Exactly once.
+        ``response``: what the front measured of the response body, when it saw it."""
         t: _Ticket = ticket
         seconds = time.monotonic() - t.started
         for plugin in self.response_complete:
@@ -252,6 +260,8 @@ class SchedulingCore:
                 plugin.response_complete(t.request, t.endpoint_key, aborted)
             except Exception:
                 log.exception("ResponseComplete plugin %s failed", plugin.name)
+        if response is not None and not aborted:
+            t.observer.responded(t.request, status, response)
         t.observer.completed(t.request, status, aborted, usage, seconds)
 
     def reject(self, incoming: str, target: str, status: int) -> None:
@@ -281,7 +291,8 @@ class CoreClient(Protocol):
 
     async def decide(self, request: LLMRequest, subset: Sequence[str] | None) -> Decision: ...
 
-    def complete(self, ticket: Any, status: int, aborted: bool, usage: Usage | None) -> None: ...
+    def complete(self, ticket: Any, status: int, aborted: bool, usage: Usage | None,
+                 response: ResponseStats | None = None) -> None: ...
 
     def reject(self, incoming: str, target: str, status: int) -> None: ...
 
@@ -297,8 +308,9 @@ class LocalCore:
     async def decide(self, request: LLMRequest, subset: Sequence[str] | None) -> Decision:
         return self.core.decide(request, subset)
 
-    def complete(self, ticket: Any, status: int, aborted: bool, usage: Usage | None) -> None:
-        self.core.complete(ticket, status, aborted, usage)
+    def complete(self, ticket: Any, status: int, aborted: bool, usage: Usage | None,
+                 response: ResponseStats | None = None) -> None:
+        self.core.complete(ticket, status, aborted, usage, response)
 
     def reject(self, incoming: str, target: str, status: int) -> None:
         self.core.reject(incoming, target, status)
@@ -315,9 +327,16 @@ class RequestContext:
     ticket: Any
     response_headers: dict[str, str]
     status: int = 0
-    usage: UsageParser | None = None
+    usage: ResponseParser | None = None  # the parser's reader of this response
     model_back: tuple[bytes, bytes, bytes, bytes] | None = None  # rewrite-back patterns
     last: bytes = b""  # the last non-empty response body chunk seen (a reference, no copy)
+    # Response metrics (GIE's response sizes, TTFT, TPOT): time.monotonic() of the decision
+    # and of the first response body chunk, body bytes seen, end of the body seen.
+    routed_at: float = 0.0
+    first_at: float = 0.0
+    sse: bool = False  # the response is a server-sent event stream
+    resp_bytes: int = 0
+    body_ended: bool = False
 
 
 class Director:
@@ -327,8 +346,17 @@ class Director:
     :class:`SchedulingCore` (wrapped in :class:`LocalCore`) or any other CoreClient.
     """
 
-    def __init__(self, core: SchedulingCore | CoreClient) -> None:
+    def __init__(self, core: SchedulingCore | CoreClient, parser: Plugin | None = None) -> None:
+        """``parser``: the config's ``parser`` plugin (``BuiltConfig.parser_plugin``; None:
+        the openai-parser). Raises ConfigError when it is not a :class:`Parser`."""
         self.core: CoreClient = LocalCore(core) if isinstance(core, SchedulingCore) else core
+        if parser is not None and not isinstance(parser, Parser):
+            raise ConfigError(
+                f"parser.pluginRef: {parser.name!r} ({parser.type_name}) cannot be the parser: "
+                "it needs parse_request(headers, body) and response_parser(request, headers) "
+                "(docs/plugins.md, \"Parsers\"); use openai-parser, passthrough-parser, "
+                "vllmgrpc-parser or vllmhttp-parser")
+        self.parser: Parser = parser if parser is not None else OpenAIParser()
 
     async def route(
         self,
@@ -341,15 +369,19 @@ class Director:
         # the request as running: a decided request is always handed back (on_done).
         new_body = None
         try:
-            request, parsed = build_request(headers, body, has_body)
-            if parsed is not None and request.target_model != request.incoming_model:
+            request, parsed = build_request(headers, body, has_body, self.parser)
+            if parsed is not None and parsed.data is not None \
+                    and request.target_model != request.incoming_model:
                 new_body = rewrite_model(parsed.data, request.target_model)
         except EppError as e:
             self.core.reject("", "", e.status)
             raise
+        # GIE's request size: the body as sent upstream (after a model rewrite).
+        request.request_size_bytes = len(body) if new_body is None else len(new_body)
         decision = await self.core.decide(request, subset)
-        ctx = RequestContext(request, decision.ticket, decision.response_headers)
-        if new_body is not None:
+        ctx = RequestContext(request, decision.ticket, decision.response_headers,
+                             routed_at=time.monotonic())
+        if new_body is not None and request.incoming_model:
             ctx.model_back = _model_patterns(request.target_model, request.incoming_model)
         return Routing(destination=decision.destination, set_headers=decision.set_headers,
                        body=new_body, context=ctx)
@@ -365,7 +397,8 @@ class Director:
         ctx: RequestContext = context
         ctx.status = status
         ctype = headers.get(keys.HEADER_CONTENT_TYPE, "")
-        ctx.usage = UsageParser(sse=ctype.startswith(keys.CONTENT_TYPE_SSE))
+        ctx.sse = ctype.startswith(keys.CONTENT_TYPE_SSE)
+        ctx.usage = self.parser.response_parser(ctx.request, headers)
         return ctx.response_headers or None
 
     def on_response_body(self, context: Any, chunk: bytes, end_of_stream: bool) -> bytes | None:
@@ -373,7 +406,12 @@ class Director:
         if ctx.usage is not None:
             ctx.usage.feed(chunk)
         if chunk:
+            if not ctx.resp_bytes and not end_of_stream:
+                ctx.first_at = time.monotonic()  # TTFT: the first chunk of a longer body
+            ctx.resp_bytes += len(chunk)
             ctx.last = chunk
+        if end_of_stream:
+            ctx.body_ended = True
         if ctx.model_back is not None and chunk:
             a, b, c, d = ctx.model_back
             if a in chunk or c in chunk:
@@ -392,21 +430,44 @@ class Director:
                 # Envoy closed the stream without the final end-of-stream message, but the
                 # body is complete (its usage, or the SSE terminator, went through).
                 aborted = False
-        self.core.complete(ctx.ticket, ctx.status, aborted, None if aborted else usage)
+        response = None
+        if not aborted and (ctx.resp_bytes or ctx.body_ended):
+            response = _response_stats(ctx, usage)
+        self.core.complete(ctx.ticket, ctx.status, aborted, None if aborted else usage,
+                           response)
         return aborted
 
 
-def build_request(headers: Mapping[str, str], body: bytes,
-                  has_body: bool) -> tuple[LLMRequest, ParsedRequest | None]:
-    """Parse the body (once) and build the compact request the scheduler sees."""
+def _response_stats(ctx: RequestContext, usage: Usage | None) -> ResponseStats:
+    """What the front measured of a response body it saw (see :class:`ResponseStats`)."""
+    if not ctx.sse or not ctx.first_at or not 200 <= ctx.status < 300:
+        return ResponseStats(ctx.resp_bytes)
+    now = time.monotonic()
+    tpot = None
+    tokens = usage.completion_tokens if usage is not None else None
+    if tokens is not None and tokens > 1:
+        tpot = (now - ctx.first_at) / (tokens - 1)
+    return ResponseStats(ctx.resp_bytes, ctx.first_at - ctx.routed_at, tpot)
+
+
+def build_request(headers: Mapping[str, str], body: bytes, has_body: bool,
+                  parser: Parser | None = None) -> tuple[LLMRequest, ParsedRequest | None]:
+    """Parse the body (once, with ``parser``; default the openai-parser) and build the
+    compact request the scheduler sees.
+
+    As GIE's Director: the model is the body's (empty for bodies that name none, e.g.
+    gRPC or passthrough), ``x-gateway-model-name-rewrite`` overrides it as the target;
+    a JSON body the EPP rewrites must end up with a model (400 otherwise)."""
     path = headers.get(keys.HEADER_PATH, "/")
     parsed: ParsedRequest | None = None
     if has_body:
-        parsed = parse_request_body(path, body)
+        parsed = (parser or _OPENAI).parse_request(headers, body)
         incoming, api, prompt = parsed.model, parsed.api, parsed.prompt
     else:
         incoming, api, prompt = "", api_type_for_path(path), ""
     target = headers.get(keys.HEADER_MODEL_REWRITE) or incoming
+    if parsed is not None and parsed.data is not None and not target:
+        raise BadRequest("model not found in request body")
     request = LLMRequest(
         request_id=headers.get(keys.HEADER_REQUEST_ID) or uuid.uuid4().hex,
         target_model=target,
@@ -423,6 +484,9 @@ def build_request(headers: Mapping[str, str], body: bytes,
         session_token=headers.get(keys.HEADER_SESSION_TOKEN),
     )
     return request, parsed
+
+
+_OPENAI: Parser = OpenAIParser()
 
 
 def _model_patterns(target: str, incoming: str) -> tuple[bytes, bytes, bytes, bytes]:

@@ -131,6 +131,7 @@ class LLMRequest:
     objective: str | None = None
     fairness_id: str | None = None
     session_token: str | None = None
+    request_size_bytes: int = 0  # the body sent upstream (GIE's LLMRequest.RequestSizeBytes)
     # Per-request data plugins compute once and share (e.g. prompt block hashes), keyed
     # by plugin name.
     plugin_state: dict[str, Any] = field(default_factory=dict)

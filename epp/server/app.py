@@ -35,8 +35,9 @@ from grpc_health.v1 import health_pb2_grpc
 from epp.config.loader import load_and_build
 from epp.datalayer.scraper import ScraperCollector
 from epp.datastore.store import Datastore
-from epp.discovery.kubeclient import connect
+from epp.discovery.kubeclient import KubeApi, connect
 from epp.discovery.kubernetes import KubernetesSource
+from epp.errors import ConfigError
 from epp.observability.tracing import Tracing
 from epp.server.drain import TrackedExtProc
 from epp.server.leader import LeaderElector
@@ -48,14 +49,16 @@ from epp.server.listeners import (
     grpc_server,
     host_port,
 )
+from epp.server.metrics_auth import BearerToken, KubernetesAuth, MetricsAuth
 from epp.server.metrics_http import metrics_app, serve_metrics
 from epp.server.options import (
     DEFAULT_MAX_BODY,
     KubernetesDiscovery,
     ServeOptions,
+    ServePlan,
     validate,
 )
-from epp.server.tls import load_key_pair, self_signed_key_pair
+from epp.server.tls import server_credentials
 from epp.server.wiring import PluginTimings, ServerParts, wire
 from epp.server.workers import CoreServer, FrontPool, FrontProcesses, check_port_free, front_argv
 
@@ -116,25 +119,31 @@ class EppServer:
     async def start(self) -> None:
         plan = validate(self.options)
         o = plan.options
+        for note in plan.notes:
+            log.warning("%s", note)
         timings = PluginTimings()
-        built = load_and_build(o.config.file, o.config.text, timer=timings)
+        built = load_and_build(o.config.file, o.config.text, timer=timings, strict=o.config.strict)
         async with AsyncExitStack() as stack:
-            tracing: Tracing | None = None
-            if o.observability.tracing:
-                tracing = Tracing()
+            tracing = _start_tracing(plan)
+            if tracing is not None:
                 stack.callback(tracing.shutdown)  # flushes spans still queued for export
             parts = wire(plan, built, timings, tracing)
             health = parts.health
             # The endpoint source's fallible part, before any port is bound.
             k8s_source: KubernetesSource | None = None
             elector: LeaderElector | None = None
+            auth: MetricsAuth | None = None
             if isinstance(plan.source, KubernetesDiscovery):
-                k8s_source, elector = await self._connect_kubernetes(stack, parts,
-                                                                     plan.source)
+                k8s_source, elector, api = await self._connect_kubernetes(stack, parts,
+                                                                          plan.source)
+                if plan.metrics_auth_kubernetes:
+                    auth = KubernetesAuth(api)
             elif parts.endpoints_file is not None:
                 parts.endpoints_file.load_initial()  # a bad file fails startup
+            if plan.metrics_auth_token is not None:
+                auth = BearerToken(plan.metrics_auth_token)
             # The ports.
-            await self._serve_metrics(stack, parts)
+            await self._serve_metrics(stack, parts, auth)
             await self._serve_health(stack, parts)
             if parts.ext_proc is not None:
                 ext_proc: ExtProcPort = await self._serve_ext_proc(stack, parts, parts.ext_proc)
@@ -168,7 +177,7 @@ class EppServer:
 
     async def _connect_kubernetes(
             self, stack: AsyncExitStack, parts: ServerParts, discovery: KubernetesDiscovery,
-    ) -> tuple[KubernetesSource, LeaderElector | None]:
+    ) -> tuple[KubernetesSource, LeaderElector | None, KubeApi]:
         """Connect (fails fast on a missing or bad kubeconfig) and make the source and,
         when enabled, the leader elector; both start after the ports are bound."""
         health = parts.health
@@ -179,15 +188,16 @@ class EppServer:
         health.require(lambda: source.ready)
         parts.metrics.gangs.tracker = source.gangs
         if discovery.election is None:
-            return source, None
+            return source, None, api
         elector = LeaderElector(api, discovery.election,
                                 on_change=lambda _leader: health.update())
         health.require(lambda: elector.is_leader)
-        return source, elector
+        return source, elector, api
 
-    async def _serve_metrics(self, stack: AsyncExitStack, parts: ServerParts) -> None:
+    async def _serve_metrics(self, stack: AsyncExitStack, parts: ServerParts,
+                             auth: MetricsAuth | None) -> None:
         listen = parts.plan.options.listen
-        app = metrics_app(parts.metrics.registry, parts.decisions, parts.plan.metrics_auth_token)
+        app = metrics_app(parts.metrics.registry, parts.decisions, auth=auth)
         runner = await serve_metrics(app, listen.metrics_address, listen.metrics_port)
         stack.push_async_callback(runner.cleanup)
 
@@ -212,12 +222,10 @@ class EppServer:
         pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(parts.health.servicer, server)
         credentials: grpc.ServerCredentials | None = None
-        if o.tls.secure_serving:
+        if parts.plan.secure_serving:
             # GIE's EPP serves TLS (self-signed unless --cert-path); gateways built for it
             # connect with TLS and skip verification. Health stays plaintext (probes).
-            key, chain = (load_key_pair(o.tls.cert_path) if o.tls.cert_path
-                          else self_signed_key_pair())
-            credentials = grpc.ssl_server_credentials([(key, chain)])
+            credentials = server_credentials(o.tls.cert_path, o.tls.enable_cert_reload)
         bind(server, o.listen.grpc_address, o.listen.grpc_port, "ext_proc gRPC", credentials)
         await server.start()
         port = InProcessExtProc(server, parts.tracker)
@@ -240,9 +248,10 @@ class EppServer:
         pool = FrontPool(parts.plan.workers, front_argv(
             core_socket=core_server.path, grpc_port=grpc_port, bind_address=address,
             max_body=o.limits.max_request_body_bytes, max_headers=o.limits.max_request_headers,
-            secure_serving=o.tls.secure_serving, cert_path=o.tls.cert_path,
+            secure_serving=parts.plan.secure_serving, cert_path=o.tls.cert_path,
+            cert_reload=o.tls.enable_cert_reload,
             drain_timeout=o.drain.timeout_s, drain_quiet=o.drain.quiet_period_s,
-            log_level=o.observability.log_level))
+            log_level=o.observability.log_level, log_format=o.observability.log_format))
         fronts = FrontProcesses(core_server, pool)
         # Entered before the processes start: one that started is stopped even if the
         # next one fails to.
@@ -285,6 +294,23 @@ class EppServer:
         self._grace = grace
         stack, self._stack = self._stack, AsyncExitStack()
         await stack.aclose()
+
+
+def _start_tracing(plan: ServePlan) -> Tracing | None:
+    """``--tracing``: on, off, or GIE's default (on) when OpenTelemetry is installed."""
+    if plan.tracing == "off":
+        return None
+    try:
+        try:
+            return Tracing()
+        except ImportError as e:  # e.g. an exporter package not matching the SDK
+            raise ConfigError(f"--tracing: OpenTelemetry does not load: {e}") from e
+    except ConfigError as e:
+        if plan.tracing == "on":
+            raise
+        log.warning("tracing is on by default (as GIE's) but cannot start, so this EPP "
+                    "runs without it (--tracing=false says so explicitly): %s", e)
+        return None
 
 
 def _once(step: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:

@@ -2,37 +2,32 @@
 
 from __future__ import annotations
 
-import hmac
-
 import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from epp.observability.explain import DecisionLog
 from epp.server.listeners import StartupError, host_port
+from epp.server.metrics_auth import BearerToken, MetricsAuth
 
 
 def metrics_app(registry: CollectorRegistry, decisions: DecisionLog | None,
-                token: str | None) -> web.Application:
-    """``/metrics`` and ``/debug/decisions``; with ``token``, both need it as a bearer
-    token."""
-    expected = f"Bearer {token}" if token else None
-
-    def authorized(request: web.Request) -> bool:
-        return expected is None or hmac.compare_digest(
-            request.headers.get("Authorization", ""), expected)
+                token: str | None = None, *, auth: MetricsAuth | None = None,
+                ) -> web.Application:
+    """``/metrics`` and ``/debug/decisions``, both behind ``auth`` (epp/server/
+    metrics_auth.py) when given, else behind ``token`` as a bearer token when given."""
+    if auth is None and token:
+        auth = BearerToken(token)
 
     async def metrics(request: web.Request) -> web.Response:
-        if not authorized(request):
-            return web.Response(status=401, text="missing or wrong bearer token\n",
-                                headers={"WWW-Authenticate": "Bearer"})
+        if auth is not None and (denied := await auth.check(request)) is not None:
+            return denied
         return web.Response(body=generate_latest(registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def debug_decisions(request: web.Request) -> web.Response:
-        if not authorized(request):
-            return web.Response(status=401, text="missing or wrong bearer token\n",
-                                headers={"WWW-Authenticate": "Bearer"})
+        if auth is not None and (denied := await auth.check(request)) is not None:
+            return denied
         if decisions is None:
             return web.json_response({"error": "decision history is off; start epp serve "
                                       "with --explain-history N"}, status=404)

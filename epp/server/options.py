@@ -4,7 +4,8 @@
 command line builds it from argparse, epp/cli.py; tests build it directly). Nothing
 checks a group when it is made: :func:`validate` checks them all, in a fixed order, and
 turns them into a :class:`ServePlan` — the resolved values the server runs with (the one
-endpoint source, parsed; the leader election; the bearer token; the worker count). Every
+endpoint source, parsed; the leader election; the metrics auth; TLS and tracing with the
+defaults applied; the worker count; the notes to log at startup). Every
 error is a :class:`~epp.errors.ConfigError` whose message names the flag, and
 ``epp serve`` prints it as ``epp: error: <message>`` (exit status 1).
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Final, Literal
 
 from epp import keys
 from epp.datalayer.engines import EngineMappings, MappingOverrides
@@ -39,6 +41,20 @@ from epp.server.drain import DEFAULT_DRAIN_TIMEOUT_S
 from epp.server.leader import LeaderElectionOptions, default_identity, lease_name
 
 DEFAULT_MAX_BODY = 64 << 20
+
+# GIE v1.5.0's EPP defaults --secure-serving, --tracing and --metrics-endpoint-auth to
+# true. Each is this EPP's default through one constant here, and each is still off: with
+# it on, every caller that starts `epp serve` expecting plaintext ext_proc (the test
+# suite's helpers), no tracing, or an open /metrics on Kubernetes must pass
+# --secure-serving=false, --tracing=false or --metrics-endpoint-auth=false. epp/stack,
+# bench/ and deploy/ already pass theirs explicitly (epp.stack.procs.LOCAL_SERVE_FLAGS).
+# The flags themselves have GIE's meaning either way (docs/configuration.md).
+DEFAULT_SECURE_SERVING: Final = False  # GIE: true (self-signed without --cert-path)
+DEFAULT_TRACING: Final = False  # GIE: true
+DEFAULT_METRICS_ENDPOINT_AUTH: Final = False  # GIE: true (TokenReview/SubjectAccessReview)
+
+_FALSE = ("false", "0", "f", "no")
+_TRUE = ("true", "1", "t", "yes")
 
 # ----------------------------------------------------------------------------- the groups
 
@@ -74,6 +90,7 @@ class ConfigOptions:
 
     file: str | None = None
     text: str | None = None
+    strict: bool = False  # --strict-config: an unknown plugin parameter fails startup
 
 
 @dataclass(frozen=True)
@@ -103,10 +120,11 @@ class KubernetesSourceOptions:
 
 @dataclass(frozen=True)
 class TlsOptions:
-    """TLS on the ext_proc port (GIE serves it by default; here it is opt-in)."""
+    """TLS on the ext_proc port (epp/server/tls.py)."""
 
-    secure_serving: bool = False
+    secure_serving: bool | None = None  # None: DEFAULT_SECURE_SERVING
     cert_path: str | None = None  # tls.crt and tls.key; None: self-signed
+    enable_cert_reload: bool = False  # re-read cert_path's pair when it changes
 
 
 @dataclass(frozen=True)
@@ -134,11 +152,13 @@ class ObservabilityOptions:
 
     enable_explain_header: bool = False
     explain_history: int = 0  # decisions kept for /debug/decisions (0: off)
-    # --metrics-endpoint-auth: a file holding the bearer token required on /metrics and
-    # /debug/*; "false" (GIE's boolean form) or None: no auth.
+    # --metrics-endpoint-auth: GIE's boolean ("true": Kubernetes TokenReview and
+    # SubjectAccessReview; "false": none), or this EPP's form, a file holding the one
+    # bearer token required on /metrics and /debug/*. None: DEFAULT_METRICS_ENDPOINT_AUTH.
     metrics_auth: str | None = None
-    tracing: bool = False
+    tracing: bool | None = None  # None: DEFAULT_TRACING (off if OpenTelemetry is missing)
     log_level: str = "info"  # the --workers fronts log at this level too
+    log_format: str = "text"  # and in this format
 
 
 @dataclass(frozen=True)
@@ -146,6 +166,27 @@ class RequestLimits:
     max_request_body_bytes: int = DEFAULT_MAX_BODY
     # The gateway's request header limit (Envoy's max_headers_count); 0 = no check.
     max_request_headers: int = DEFAULT_MAX_HEADERS
+
+
+@dataclass(frozen=True)
+class RoutingOptions:
+    """How candidates are chosen before scheduling."""
+
+    # GIE's --disable-endpoint-subset-filter: ignore Envoy's subset hint
+    # (envoy.lb.subset_hint / x-gateway-destination-endpoint-subset), pick from the pool.
+    disable_endpoint_subset_filter: bool = False
+
+
+@dataclass(frozen=True)
+class GieOnlyOptions:
+    """GIE flags for what this EPP has no counterpart of: accepted, so that GIE's command
+    lines run unchanged, and each one given is logged at startup with the reason it
+    changes nothing here (docs/configuration.md, "GIE's flags"). None: not given."""
+
+    health_checking: bool | None = None
+    enable_pprof: bool | None = None
+    refresh_prometheus_metrics_interval_s: float | None = None
+    deprecated: tuple[str, ...] = ()  # flags GIE v1.5.0 deprecates that were given
 
 
 @dataclass(frozen=True)
@@ -183,6 +224,8 @@ class ServeOptions:
     limits: RequestLimits = field(default_factory=RequestLimits)
     workers: WorkerOptions = field(default_factory=WorkerOptions)
     drain: DrainOptions = field(default_factory=DrainOptions)
+    routing: RoutingOptions = field(default_factory=RoutingOptions)
+    gie_only: GieOnlyOptions = field(default_factory=GieOnlyOptions)
 
 
 # ------------------------------------------------------------------- the validated plan
@@ -215,6 +258,9 @@ class KubernetesDiscovery:
 EndpointSource = StaticEndpoints | EndpointsFile | KubernetesDiscovery
 
 
+TracingMode = Literal["off", "on", "if-installed"]
+
+
 @dataclass(frozen=True)
 class ServePlan:
     """Validated options: the groups as given plus what validation resolved from them."""
@@ -223,6 +269,12 @@ class ServePlan:
     source: EndpointSource  # exactly one
     workers: int  # front processes; 1: none (everything in this process)
     metrics_auth_token: str | None  # bearer token required on /metrics and /debug/*
+    # --metrics-endpoint-auth=true: TokenReview/SubjectAccessReview (epp/server/metrics_auth.py)
+    metrics_auth_kubernetes: bool = False
+    secure_serving: bool = False  # TLS on the ext_proc port
+    # "if-installed": the default is on but OpenTelemetry may be missing (then off, logged)
+    tracing: TracingMode = "off"
+    notes: tuple[str, ...] = ()  # logged at startup: flags accepted that change nothing
 
 
 def validate(options: ServeOptions) -> ServePlan:
@@ -232,7 +284,6 @@ def validate(options: ServeOptions) -> ServePlan:
     ``--metrics-endpoint-auth`` token file and ``$NAMESPACE``; connects nowhere.
     """
     o = options
-    token = _metrics_auth_token(o.observability.metrics_auth)
     if o.workers.count < 0:
         raise ConfigError("--workers must be >= 0")
     if o.observability.explain_history < 0:
@@ -244,24 +295,91 @@ def validate(options: ServeOptions) -> ServePlan:
         if value < 0:
             raise ConfigError(f"{flag} must be >= 0")
     source = _endpoint_source(o)
+    kube = isinstance(source, KubernetesDiscovery)
+    notes: list[str] = []
+    token, kube_auth = _metrics_auth(o.observability.metrics_auth, kube, notes)
     if o.scraping.enabled:
         o.scraping.scrape.validate()
         # Checks the metric specs; the scraper gets its own (stateful) instance from wire().
         EngineMappings(overrides=o.scraping.metric_overrides)
+    secure = DEFAULT_SECURE_SERVING if o.tls.secure_serving is None else o.tls.secure_serving
+    if o.tls.enable_cert_reload and not (secure and o.tls.cert_path):
+        notes.append("--enable-cert-reload: accepted, no effect: it reloads the pair in "
+                     "--cert-path, and needs --secure-serving with --cert-path (as GIE's)")
+    tracing: TracingMode
+    if o.observability.tracing is None:
+        tracing = "if-installed" if DEFAULT_TRACING else "off"
+    else:
+        tracing = "on" if o.observability.tracing else "off"
+    notes += _gie_only_notes(o.gie_only)
     return ServePlan(options=o, source=source, workers=o.workers.count or os.cpu_count() or 1,
-                     metrics_auth_token=token)
+                     metrics_auth_token=token, metrics_auth_kubernetes=kube_auth,
+                     secure_serving=secure, tracing=tracing, notes=tuple(notes))
 
 
-def _metrics_auth_token(flag: str | None) -> str | None:
-    """``--metrics-endpoint-auth``: the token from the file it names; None when off."""
+def _gie_only_notes(g: GieOnlyOptions) -> list[str]:
+    notes = []
+    if g.health_checking is not None:
+        notes.append("--health-checking: accepted, no effect: gRPC health is always served "
+                     "on the ext_proc port too (GIE serves it there only with this flag)")
+    if g.enable_pprof is not None:
+        notes.append("--enable-pprof: accepted and ignored: Go's pprof handlers have no "
+                     "Python counterpart (profile with py-spy: docs/operations.md)")
+    if g.refresh_prometheus_metrics_interval_s is not None:
+        notes.append("--refresh-prometheus-metrics-interval: accepted and ignored: the "
+                     "inference_pool_* gauges are computed at every scrape of /metrics, "
+                     "so there is nothing to refresh")
+    for flag in g.deprecated:
+        notes.append(f"{flag}: deprecated in GIE v1.5.0 ({DEPRECATED_FLAGS[flag]})")
+    return notes
+
+
+# GIE v1.5.0's deprecated flags (pkg/epp/server/options.go): still applied here.
+DEPRECATED_FLAGS: Final = {
+    "--model-server-metrics-scheme": "configure the metrics-data-source plugin instead",
+    "--model-server-metrics-path": "configure the metrics-data-source plugin instead",
+    "--model-server-metrics-https-insecure-skip-verify":
+        "configure the metrics-data-source plugin instead",
+    "--model-server-metrics-port": "to be removed",
+    # GIE v1.5.0 refuses to start when these are given; GIE's own Helm chart passes them
+    # for sglang, triton-tensorrt-llm and trtllm-serve pools. Applied here, as before v1.5.
+    "--total-queued-requests-metric": "GIE now refuses it; applied here, prefer engineConfigs",
+    "--total-running-requests-metric": "GIE now refuses it; applied here, prefer "
+                                       "engineConfigs",
+    "--kv-cache-usage-percentage-metric": "GIE now refuses it; applied here, prefer "
+                                          "engineConfigs",
+    "--lora-info-metric": "GIE now refuses it; applied here, prefer engineConfigs",
+    "--cache-info-metric": "GIE now refuses it; applied here, prefer engineConfigs",
+}
+
+
+def _metrics_auth(flag: str | None, kube: bool, notes: list[str]) -> tuple[str | None, bool]:
+    """``--metrics-endpoint-auth``: (static bearer token, Kubernetes review auth)."""
     if flag is None:
-        return None
+        if not DEFAULT_METRICS_ENDPOINT_AUTH:
+            return None, False
+        if kube:
+            return None, True
+        notes.append("--metrics-endpoint-auth defaults to true (GIE's), which reviews "
+                     "bearer tokens with the Kubernetes API; without a Kubernetes endpoint "
+                     "source there is none, so /metrics is open (give "
+                     "--metrics-endpoint-auth=FILE for a static token, or =false)")
+        return None, False
     value = flag.strip().lower()
-    if value in ("false", "0", "no", "f"):
-        return None  # GIE's boolean form, turned off
-    if value in ("true", "1", "yes", "t"):
-        raise ConfigError("--metrics-endpoint-auth takes a file holding the bearer token "
-                          "(GIE's Kubernetes TokenReview auth is not implemented)")
+    if value in _FALSE:
+        return None, False
+    if value in _TRUE:
+        if kube:
+            return None, True
+        raise ConfigError("--metrics-endpoint-auth=true reviews bearer tokens with the "
+                          "Kubernetes API (TokenReview, SubjectAccessReview), which needs a "
+                          "Kubernetes endpoint source (--pool-name or --endpoint-selector); "
+                          "without one it takes a file holding the bearer token, or false")
+    return _metrics_auth_token(flag), False
+
+
+def _metrics_auth_token(flag: str) -> str:
+    """``--metrics-endpoint-auth FILE``: the token in the file."""
     try:
         with open(flag, encoding="utf-8") as f:
             token = f.read().strip()

@@ -13,13 +13,13 @@ bodies; the server names no plugin type.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import Counter
 
 from epp.config.loader import BuiltConfig
-from epp.datalayer.engines import EngineMappings
+from epp.datalayer.config import attach_sources, scraper_settings
 from epp.datalayer.scraper import MetricsScraper
 from epp.datastore.store import Datastore, RemovalListener
 from epp.discovery.static import StaticFileSource
@@ -35,10 +35,11 @@ from epp.handlers.extproc import ExtProcServicer
 from epp.observability.explain import DecisionLog
 from epp.observability.metrics import EppMetrics
 from epp.observability.tracing import Tracing
-from epp.requestcontrol.director import Director, SchedulingCore
+from epp.requestcontrol.director import Decision, Director, SchedulingCore
+from epp.scheduling.types import LLMRequest
 from epp.server.drain import StreamTracker, TrackedExtProc
 from epp.server.health import HealthReporter
-from epp.server.options import EndpointsFile, ServePlan, StaticEndpoints
+from epp.server.options import EndpointsFile, KubernetesDiscovery, ServePlan, StaticEndpoints
 
 
 class PluginTimings:
@@ -102,8 +103,9 @@ def wire(plan: ServePlan, built: BuiltConfig, timings: PluginTimings,
     """
     o = plan.options
     store = Datastore()
-    metrics = EppMetrics(store)
-    health = HealthReporter()
+    metrics = EppMetrics(store, pool_label(plan))
+    health = HealthReporter(leader_election=isinstance(plan.source, KubernetesDiscovery)
+                            and plan.source.election is not None)
     health.require(lambda: store.synced)
     endpoints_file: StaticFileSource | None = None
     if isinstance(plan.source, StaticEndpoints):
@@ -118,18 +120,23 @@ def wire(plan: ServePlan, built: BuiltConfig, timings: PluginTimings,
     if owners:
         metrics.track_prefix_index_size(
             lambda: float(sum(p.prefix_index_size() for p in owners)))
-    core = SchedulingCore(store, built.scheduler, metrics, built.pre_request,
+    core_type = (SubsetIgnoringCore if o.routing.disable_endpoint_subset_filter
+                 else SchedulingCore)
+    core = core_type(store, built.scheduler, metrics, built.pre_request,
                           built.response_complete, built.request_headers,
                           built.response_headers,
                           explain_header=o.observability.enable_explain_header,
                           decisions=decisions, tracing=tracing)
     timings.connect(metrics.observe_plugin if tracing is None
                     else _fan_out(metrics.observe_plugin, core.plugin_timer))
-    director = Director(core)
+    director = Director(core, built.parser_plugin)
     scraper: MetricsScraper | None = None
-    if o.scraping.enabled:
-        scraper = MetricsScraper(store, o.scraping.scrape,
-                                 EngineMappings(overrides=o.scraping.metric_overrides))
+    # The config's data layer (its metrics source and extractor) over the scrape flags.
+    scraping = scraper_settings(built.data_layer, o.scraping.enabled, o.scraping.scrape,
+                                o.scraping.metric_overrides)
+    attach_sources(built.data_layer, store)  # endpoint-notification-source extractors
+    if scraping is not None:
+        scraper = MetricsScraper(store, *scraping)
         # Envoy's word that a pod refused the connection (response attributes): out of
         # the candidates now, back at the next scrape that gets an answer.
         core.on_upstream_failure = scraper.report_unreachable
@@ -147,6 +154,26 @@ def wire(plan: ServePlan, built: BuiltConfig, timings: PluginTimings,
                        decisions=decisions, tracing=tracing, core=core, director=director,
                        scraper=scraper, endpoints_file=endpoints_file,
                        stream_ended=stream_ended, tracker=tracker, ext_proc=ext_proc)
+
+
+def pool_label(plan: ServePlan) -> str:
+    """The ``name`` label of the ``inference_pool_*`` gauges: GIE's ``pool.Name`` — the
+    InferencePool's name in pool mode; in standalone mode (``--endpoint-selector``) GIE
+    names its endpoint pool after ``--pool-name``, so that when given; otherwise (and for
+    ``--endpoints``/``--endpoints-file``) ``static``."""
+    source = plan.source
+    if isinstance(source, KubernetesDiscovery):
+        return source.options.pool_name or plan.options.kubernetes.pool_name or "static"
+    return "static"
+
+
+class SubsetIgnoringCore(SchedulingCore):
+    """``--disable-endpoint-subset-filter`` (GIE's flag): Envoy's subset hint is ignored,
+    every decision picks from the whole pool (with ``--workers N`` too: the fronts' hints
+    reach this core's :meth:`decide`)."""
+
+    def decide(self, request: LLMRequest, subset: Sequence[str] | None) -> Decision:
+        return super().decide(request, None)
 
 
 def body_consumers(built: BuiltConfig) -> list[str]:

@@ -17,15 +17,15 @@ scheduling state (prefix index, in-flight counts, metrics):
 
 Wire format on the socket: frames of a 4-byte big-endian length and an orjson array.
 Front → core: ``["R", id, request, subset]`` (decide), ``["C", ticket, status, aborted,
-usage]`` (complete), ``["J", model, target, status]`` (rejected before scheduling),
-``["O", outcome]`` (stream outcome), ``["U", address]`` (Envoy could not connect to that
-endpoint). Core → front: ``["D", id, destination, set_headers,
-response_headers, ticket]`` or ``["E", id, status, message, error_type]``, and the
-shutdown controls ``["T", timeout, quiet]`` (drain: epp/server/drain.py) and ``["S",
-grace]`` (stop now, running streams get ``grace`` seconds; null: cancelled). Frames queue in
-the socket buffers, so a busy core reads and answers them in batches. When a front's
-connection drops, the core completes that front's open requests as aborted; when the core
-goes away, fronts stop at once.
+usage, response]`` (complete; ``response``: the front's ResponseStats, or null),
+``["J", model, target, status]`` (rejected before scheduling), ``["O", outcome]`` (stream
+outcome), ``["U", address]`` (Envoy could not connect to that endpoint). Core → front:
+``["D", id, destination, set_headers, response_headers, ticket]`` or ``["E", id, status,
+message, error_type]``, and the shutdown controls ``["T", timeout, quiet]`` (drain:
+epp/server/drain.py) and ``["S", grace]`` (stop now, running streams get ``grace``
+seconds; null: cancelled). Frames queue in the socket buffers, so a busy core reads and
+answers them in batches. When a front's connection drops, the core completes that front's
+open requests as aborted; when the core goes away, fronts stop at once.
 
 Shutdown: a SIGTERM/SIGINT to the core (or to the whole process group) makes every front
 drain like a single process does — NOT_SERVING on the ext_proc port's health service,
@@ -50,11 +50,11 @@ from typing import Any
 import grpc
 import orjson
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 
-from epp import keys
 from epp.errors import EppError
 from epp.handlers.extproc import DEFAULT_MAX_HEADERS, ExtProcServicer
+from epp.observability.observer import ResponseStats
 from epp.parsing.usage import Usage
 from epp.requestcontrol.director import Decision, Director, SchedulingCore
 from epp.scheduling.types import ApiType, LLMRequest
@@ -67,6 +67,7 @@ from epp.server.drain import (
     install_shutdown_signals,
     stop_server,
 )
+from epp.server.health import HealthReporter
 from epp.server.listeners import StartupError
 
 log = logging.getLogger(__name__)
@@ -87,14 +88,14 @@ async def _read_frame(reader: asyncio.StreamReader) -> Any:
 def _request_to_wire(r: LLMRequest) -> list[Any]:
     return [r.request_id, r.target_model, r.incoming_model, r.api.value, r.prompt,
             dict(r.headers), r.stream, r.max_tokens, r.cache_salt, r.user, r.objective,
-            r.fairness_id, r.session_token]
+            r.fairness_id, r.session_token, r.request_size_bytes]
 
 
 def _request_from_wire(w: list[Any]) -> LLMRequest:
     return LLMRequest(request_id=w[0], target_model=w[1], incoming_model=w[2],
                       api=ApiType(w[3]), prompt=w[4], headers=w[5], stream=w[6],
                       max_tokens=w[7], cache_salt=w[8], user=w[9], objective=w[10],
-                      fairness_id=w[11], session_token=w[12])
+                      fairness_id=w[11], session_token=w[12], request_size_bytes=w[13])
 
 
 # ----------------------------------------------------------------------------- core side
@@ -147,7 +148,8 @@ class CoreServer:
                     t = tickets.pop(msg[1], None)
                     if t is not None:
                         u = msg[4]
-                        core.complete(t, msg[2], msg[3], None if u is None else Usage(*u))
+                        core.complete(t, msg[2], msg[3], None if u is None else Usage(*u),
+                                      None if msg[5] is None else ResponseStats(*msg[5]))
                 elif kind == "J":
                     core.reject(msg[1], msg[2], msg[3])
                 elif kind == "O":
@@ -381,10 +383,12 @@ class RemoteCore:
                                    None if subset is None else list(subset)]))
         return await fut
 
-    def complete(self, ticket: Any, status: int, aborted: bool, usage: Usage | None) -> None:
+    def complete(self, ticket: Any, status: int, aborted: bool, usage: Usage | None,
+                 response: ResponseStats | None = None) -> None:
         u = None if usage is None else [usage.prompt_tokens, usage.completion_tokens,
                                         usage.cached_tokens]
-        self._send(["C", ticket, status, aborted, u])
+        r = None if response is None else [response.size, response.ttft, response.tpot]
+        self._send(["C", ticket, status, aborted, u, r])
 
     def reject(self, incoming: str, target: str, status: int) -> None:
         self._send(["J", incoming, target, status])
@@ -440,17 +444,15 @@ async def run_front(args: argparse.Namespace) -> int:
                                        max_headers=args.max_request_headers),
                        tracker),
         server)
-    hs = health.aio.HealthServicer()
-    for svc in (keys.HEALTH_LIVENESS, keys.HEALTH_READINESS, keys.HEALTH_EXT_PROC, ""):
-        await hs.set(svc, health_pb2.HealthCheckResponse.SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    # The core reports readiness on the health port; a front is ready until it drains.
+    hs = HealthReporter()
+    health_pb2_grpc.add_HealthServicer_to_server(hs.servicer, server)
     address = args.bind_address
     addr = f"[{address}]:{args.grpc_port}" if ":" in address else f"{address}:{args.grpc_port}"
     if args.secure_serving:
-        from epp.server.tls import load_key_pair, self_signed_key_pair
+        from epp.server.tls import server_credentials
 
-        key, chain = load_key_pair(args.cert_path) if args.cert_path else self_signed_key_pair()
-        server.add_secure_port(addr, grpc.ssl_server_credentials([(key, chain)]))
+        server.add_secure_port(addr, server_credentials(args.cert_path, args.enable_cert_reload))
     else:
         server.add_insecure_port(addr)
     await server.start()
@@ -464,8 +466,7 @@ async def run_front(args: argparse.Namespace) -> int:
     elif stop_req.is_set():
         await stop_server(server, stop_grace[0], stop_now)
     else:
-        for svc in (keys.HEALTH_READINESS, keys.HEALTH_EXT_PROC, ""):
-            await hs.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await hs.start_draining()
 
         async def core_gone() -> None:
             await core.closed.wait()
@@ -483,6 +484,7 @@ async def run_front(args: argparse.Namespace) -> int:
 
 def front_argv(*, core_socket: str, grpc_port: int, bind_address: str, max_body: int,
                secure_serving: bool, cert_path: str | None, log_level: str,
+               cert_reload: bool = False, log_format: str = "text",
                drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
                drain_quiet: float = DEFAULT_DRAIN_QUIET_S,
                max_headers: int = DEFAULT_MAX_HEADERS) -> list[str]:
@@ -490,11 +492,14 @@ def front_argv(*, core_socket: str, grpc_port: int, bind_address: str, max_body:
             "--grpc-port", str(grpc_port), "--bind-address", bind_address,
             "--max-request-body-bytes", str(max_body), "--max-request-headers",
             str(max_headers), "--drain-timeout", str(drain_timeout),
-            "--drain-quiet-period", str(drain_quiet), "--log-level", log_level]
+            "--drain-quiet-period", str(drain_quiet), "--log-level", log_level,
+            "--log-format", log_format]
     if secure_serving:
         argv.append("--secure-serving")
     if cert_path:
         argv += ["--cert-path", cert_path]
+    if cert_reload:
+        argv.append("--enable-cert-reload")
     return argv
 
 
@@ -509,15 +514,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-request-headers", type=int, default=DEFAULT_MAX_HEADERS)
     p.add_argument("--secure-serving", action="store_true")
     p.add_argument("--cert-path")
+    p.add_argument("--enable-cert-reload", action="store_true")
     p.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
                    help="seconds (epp serve --drain-timeout)")
     p.add_argument("--drain-quiet-period", type=float, default=DEFAULT_DRAIN_QUIET_S,
                    help="seconds (epp serve --drain-quiet-period)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--log-format", default="text")
     args = p.parse_args(argv)
     from epp.observability.logging import setup_logging
 
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, args.log_format)
     from epp.server.loop import run as run_loop
 
     return run_loop(run_front(args))

@@ -34,7 +34,7 @@ from epp.stack.envoy import (
     without_ext_proc,
 )
 from epp.stack.pd import PD_SIM_ARGS, PairStats, PdLayout, PdStack, grove_layout, repo_config
-from epp.stack.procs import ManagedProcess, free_port, wait_port
+from epp.stack.procs import LOCAL_SERVE_FLAGS, ManagedProcess, free_port, wait_port
 from epp.stack.runner import Report, run
 from epp.stack.workload import Workload, WorkloadSpec
 
@@ -105,7 +105,7 @@ async def _demo(args: argparse.Namespace) -> int:
     endpoints = workdir / "endpoints.yaml"
     endpoints.write_text(yaml.safe_dump({"endpoints": [
         {"address": "127.0.0.1", "port": p, "name": f"sim-{p}"} for p in epp_ports]}))
-    epp_argv = [sys.executable, "-m", "epp.cli", "serve", "--drain-quiet-period", "0", "--bind-address", "127.0.0.1",
+    epp_argv = [sys.executable, "-m", "epp.cli", "serve", *LOCAL_SERVE_FLAGS, "--drain-quiet-period", "0", "--bind-address", "127.0.0.1",
                 "--grpc-port", str(grpc_port), "--grpc-health-port", str(health_port),
                 "--metrics-port", str(metrics_port), "--endpoints-file", str(endpoints),
                 "--log-level", "warning"]

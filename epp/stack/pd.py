@@ -33,7 +33,7 @@ import yaml
 
 from epp import keys
 from epp.stack.envoy import DEFAULT_RESPONSE_PATH, EnvoyProcess, render_envoy_config
-from epp.stack.procs import ManagedProcess, free_port, wait_port
+from epp.stack.procs import LOCAL_SERVE_FLAGS, ManagedProcess, free_port, wait_port
 
 __all__ = [
     "MODEL",
@@ -257,7 +257,7 @@ class PdStack:
             self._stack.push_async_callback(proc.stop)
             await proc.start()
             self.sims.append(proc)
-        epp_argv = [sys.executable, "-m", "epp.cli", "serve", "--drain-quiet-period", "0", "--bind-address", "127.0.0.1",
+        epp_argv = [sys.executable, "-m", "epp.cli", "serve", *LOCAL_SERVE_FLAGS, "--drain-quiet-period", "0", "--bind-address", "127.0.0.1",
                     "--grpc-port", str(self.grpc_port),
                     "--grpc-health-port", str(self.health_port),
                     "--metrics-port", str(self.metrics_port),

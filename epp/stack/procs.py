@@ -17,7 +17,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Self
 
-__all__ = ["ManagedProcess", "free_port", "wait_port"]
+__all__ = ["LOCAL_SERVE_FLAGS", "ManagedProcess", "free_port", "wait_port"]
+
+# What every `epp serve` of the local stack and the benchmarks runs with, whatever the
+# defaults (epp/server/options.py: GIE's are TLS on ext_proc, tracing on, and Kubernetes
+# auth on /metrics): plaintext to a loopback Envoy, whose template speaks plaintext and
+# whose measurements should not include TLS; no tracing, whose per-request spans and
+# exporter would be measured too; an open /metrics, scraped by the tools themselves.
+LOCAL_SERVE_FLAGS = ("--secure-serving=false", "--tracing=false",
+                     "--metrics-endpoint-auth=false")
 
 
 def _ephemeral_range() -> tuple[int, int]:

@@ -5,7 +5,7 @@ Everything listens on 127.0.0.1 on free ports; every process is stopped at teard
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import os
 import sys
 from collections.abc import AsyncIterator
@@ -19,11 +19,16 @@ import yaml
 
 from epp.stack.envoy import DEFAULT_RESPONSE_PATH, EnvoyProcess, render_envoy_config
 from epp.stack.procs import ManagedProcess, free_port, wait_port
+from tests import polling
 from tests.integration.plugins import CONFIG
 
 ROOT = Path(__file__).resolve().parents[2]
 N_UPSTREAMS = 4
 MAX_BODY = 4 << 20
+
+# The suite's one polling helper (tests/polling.py), with defaults for checks against the
+# live processes (HTTP/gRPC round trips through Envoy, the EPP, the sims): 10 s, every 50 ms.
+eventually = functools.partial(polling.eventually, timeout=10.0, interval=0.05)
 
 
 @dataclass
@@ -98,14 +103,19 @@ class Epp:
             log_path=self.workdir / f"epp-{self.starts}.log", env={**_env(), **self.extra_env},
             cwd=ROOT)
         await self.proc.start()
-        for _ in range(100):  # up to 20 s, but not a moment longer once the process exited
+        proc = self.proc
+
+        async def listening() -> bool:
             try:
                 await wait_port("127.0.0.1", self.grpc_port, timeout=0.2)
-                return
+                return True
             except TimeoutError:
-                if self.proc.returncode is not None:
-                    break
-        raise RuntimeError(f"epp did not start:\n{self.proc.log_tail()}")
+                if proc.returncode is not None:  # it exited: no use waiting any longer
+                    raise RuntimeError(f"epp did not start:\n{proc.log_tail()}") from None
+                return False
+
+        await eventually(listening, timeout=20, interval=0,
+                         what=lambda: f"epp to listen on {self.grpc_port}:\n{proc.log_tail()}")
 
     async def stop(self) -> None:
         if self.proc is not None:
@@ -223,15 +233,3 @@ async def inline_stack(request: pytest.FixtureRequest, upstreams: Upstreams,
                           response_path="inline")
     yield s
     await stop_stack(s)
-
-
-async def eventually(check, timeout: float = 10.0, interval: float = 0.1):  # type: ignore[no-untyped-def]
-    """Poll an async ``check()`` until it returns a truthy value (bounded in time)."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        result = await check()
-        if result:
-            return result
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s (last: {result!r})")
-        await asyncio.sleep(interval)

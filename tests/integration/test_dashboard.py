@@ -15,7 +15,6 @@ a series it reads. docs/observability.md must list every exported family.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import shutil
@@ -33,7 +32,14 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from epp.stack.pd import PdStack, grove_layout, repo_config
-from tests.integration.conftest import MAX_BODY, ROOT, Upstreams, start_stack, stop_stack
+from tests.integration.conftest import (
+    MAX_BODY,
+    ROOT,
+    Upstreams,
+    eventually,
+    start_stack,
+    stop_stack,
+)
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "epp-dashboard.json"
 ALERTS = ROOT / "deploy" / "grafana" / "epp-alerts.yaml"
@@ -325,13 +331,13 @@ async def _default_stack_scrape(upstreams: Upstreams, session: aiohttp.ClientSes
         routed = len(ok) + sum(1 for e in errors if e[3])
         # A stream's outcome is counted when Envoy closes the ext_proc stream, which can
         # be just after the client has its response: wait (bounded) for all of them.
-        deadline = asyncio.get_running_loop().time() + 10
-        while True:
+        async def all_counted() -> str | None:
             text = await _scrape(session, f"http://127.0.0.1:{s.epp.metrics_port}/metrics")
-            if (_value(text, "epp_extproc_streams_total", outcome="completed") == routed
-                    or asyncio.get_running_loop().time() > deadline):
-                break
-            await asyncio.sleep(0.1)
+            done = _value(text, "epp_extproc_streams_total", outcome="completed") == routed
+            return text if done else None
+
+        text = await eventually(all_counted, timeout=10, interval=0.1,
+                                what=f"{routed} completed ext_proc streams")
     finally:
         await stop_stack(s)
     # The scrape shows the traffic sent: counts and error codes.

@@ -27,6 +27,7 @@ from tests.integration.conftest import (
     ROOT,
     Stack,
     Upstreams,
+    eventually,
     start_sims,
     start_stack,
     stop_stack,
@@ -90,25 +91,24 @@ async def until_not_serving(port: int, limit_s: float = 2.0) -> float:
     t0 = loop.time()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
         stub = health_pb2_grpc.HealthStub(ch)
-        while loop.time() - t0 < limit_s:
+
+        async def not_serving() -> bool:
             resp = await stub.Check(health_pb2.HealthCheckRequest(service="readiness"),
                                     timeout=2)
-            if resp.status == NOT_SERVING:
-                return loop.time() - t0
-    raise AssertionError(f"readiness still SERVING {limit_s}s after the signal")
+            return resp.status == NOT_SERVING
+
+        await eventually(not_serving, timeout=limit_s, interval=0,
+                         what="readiness NOT_SERVING after the signal")
+        return loop.time() - t0
 
 
 async def wait_ready(port: int) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 20
-    while True:
-        try:
-            if await health(port, "readiness") == SERVING:
-                return
-        except grpc.aio.AioRpcError:
-            pass
-        assert loop.time() < deadline, "never ready"
-        await asyncio.sleep(0.05)
+    async def ready() -> bool:
+        return await health(port, "readiness") == SERVING
+
+    # Not listening yet, or not answering yet: an RPC error means "not yet".
+    await eventually(ready, timeout=20, retry_on=(grpc.aio.AioRpcError,),
+                     what="readiness SERVING")
 
 
 def epp_log(s: Stack) -> str:

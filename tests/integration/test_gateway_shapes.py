@@ -142,10 +142,12 @@ class Pod:
             for i in range(n):
                 await resp.write(sse_event(body["model"], i))
                 if mode == "reset-mid-body" and i == 2:
-                    await asyncio.sleep(0.05)  # let the events reach the client first
+                    # The scenario, not a wait (a pod cannot see its client): events reach
+                    # the client, then the connection resets.
+                    await asyncio.sleep(0.05)
                     _reset(request)
                     return resp
-                await asyncio.sleep(gap)
+                await asyncio.sleep(gap)  # pacing: the pod's token rate
             await resp.write(sse_tail(body["model"], n))
             await resp.write_eof()
         except ConnectionResetError:
@@ -337,7 +339,7 @@ async def test_what_the_lean_shape_gives_up(shape_stack: Stack,
         got = await s.epp.metric(session, "inference_objective_output_tokens_sum") - before
         return (got,) if lean or got == 7 + 5 else None
     assert await eventually(counted, timeout=10) == (0 if lean else 7 + 5,)
-    await asyncio.sleep(0.3)  # nothing arrives late either
+    await asyncio.sleep(0.3)  # not a wait: nothing arrives late either
     after = await s.epp.metric(session, "inference_objective_output_tokens_sum") - before
     assert after == (0 if lean else 7 + 5)
 
@@ -429,7 +431,7 @@ async def test_in_flight_is_exact_under_aborts_and_resets(
     ended = await eventually(lambda: _outcomes_reach(session, s, ended_before + 16),
                              timeout=10)
     assert ended == ended_before + 16
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(0.3)  # not a wait: nothing is counted late, or twice
     assert await running(session, s) == 0 and await outcomes(session, s) == ended
 
 

@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from epp import keys
 from epp.stack.envoy import EnvoyProcess, render_envoy_config
 from epp.stack.procs import ManagedProcess, free_port, wait_port
-from tests.integration.conftest import ROOT, Upstreams
+from tests.integration.conftest import ROOT, Upstreams, eventually
 from tests.integration.plugins import CONFIG
 from tests.k8s_fake import FakeApiServer
 
@@ -31,18 +31,6 @@ pytestmark = pytest.mark.integration
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 APP = {"app": "sim"}
-
-
-async def eventually(check: Callable[[], Awaitable[Any]], timeout: float = 10.0,
-                     interval: float = 0.05) -> Any:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        result = await check()
-        if result:
-            return result
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s (last: {result!r})")
-        await asyncio.sleep(interval)
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -131,7 +119,7 @@ async def test_readiness_follows_the_pool(fake: FakeApiServer, epps: Any) -> Non
     ns = "ready-test"
     epp = await epps("--pool-name", "pool", "--pool-namespace", ns)
     assert await epp.health(keys.HEALTH_LIVENESS) == SERVING
-    await asyncio.sleep(0.5)
+    await asyncio.sleep(0.5)  # not a wait: time to sync, and it must not turn ready meanwhile
     assert not await epp.ready()                        # no InferencePool yet
     assert await epp.health(keys.HEALTH_EXT_PROC) != SERVING
     fake.put_pod("p", "10.1.0.1", labels=APP, namespace=ns)
@@ -162,7 +150,7 @@ async def test_leader_election_between_two_processes(fake: FakeApiServer, epps: 
 
     leader = (await eventually(one_ready))[0]
     standby = b if leader is a else a
-    await asyncio.sleep(0.6)                            # stable over several renewals
+    await asyncio.sleep(0.6)  # not a wait: stable over several renewals
     assert await leader.ready() and not await standby.ready()
     assert await standby.health(keys.HEALTH_LIVENESS) == SERVING
     lease = fake.get("leases", f"epp-{ns}-pool.{keys.K8S_LEASE_SUFFIX}", ns)
@@ -177,7 +165,7 @@ async def test_leader_election_between_two_processes(fake: FakeApiServer, epps: 
 
     # A new replica joins as standby; then the leader crashes: failover after the lease.
     c = await epps(*ha)
-    await asyncio.sleep(0.8)
+    await asyncio.sleep(0.8)  # not a wait: c keeps retrying, and must not take a held Lease
     assert await standby.ready() and not await c.ready()
     t0 = asyncio.get_running_loop().time()
     standby.kill()
@@ -334,13 +322,11 @@ async def test_standalone_envoy_snippet_routes_over_tls_to_the_epp(
         await envoy.wait_ready()
         # Envoy's first TLS connection to the EPP can race the EPP's startup on a busy
         # machine: allow a few seconds for the first success, then require steady 200s.
-        deadline = asyncio.get_running_loop().time() + 15
-        while True:
+        async def answered() -> tuple[int, str] | None:
             status, server = await _post(session, f"http://127.0.0.1:{listen}", port)
-            if status == 200 or asyncio.get_running_loop().time() > deadline:
-                break
-            await asyncio.sleep(0.2)
-        assert (status, server) == (200, f"sim-{port}")
+            return (status, server) if status == 200 else None
+
+        assert await eventually(answered, timeout=15, interval=0.2) == (200, f"sim-{port}")
         for _ in range(3):
             assert await _post(session, f"http://127.0.0.1:{listen}", port) == (200, f"sim-{port}")
     finally:

@@ -74,7 +74,7 @@ async def test_metrics_count_requests_errors_and_tokens(
 
         text = await eventually(streams_closed, timeout=10)
         total = samples(text, "inference_objective_request_total")
-        assert total['{model_name="food-review",target_model_name="food-review"}'] == 8
+        assert total['{model_name="food-review",priority="0",target_model_name="food-review"}'] == 8
         errors = samples(text, "inference_objective_request_error_total")
         assert errors['{error_code="400",model_name="",target_model_name=""}'] == 2
         assert errors['{error_code="429",model_name="food-review",target_model_name="food-review"}'] == 1

@@ -140,7 +140,17 @@ async def test_a_saturated_rack_spills_over(pd: PdStack, session: aiohttp.Client
             return set(served) <= rack1_decodes
 
         await eventually(only_rack1, timeout=10, interval=0.2)
-        await asyncio.sleep(0.3)  # the probes' prefills are done
+
+        async def prefill_idle() -> bool:  # as the EPP sees it: the probes' prefills are done
+            async with session.get(pd.metrics_url) as r:
+                text = await r.text()
+            values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                      if line.startswith(("epp_role_average_running_requests{",
+                                          "epp_role_average_queue_size{"))
+                      and 'role="prefill"' in line]
+            return len(values) == 2 and not any(values)
+
+        await eventually(prefill_idle)
         await pd.clear_debug(session)
         before = await pd.pair_stats(session)
         # Long prompts staggered by 100 ms: rack-1's prefill queues grow (the EPP scrapes
@@ -148,7 +158,7 @@ async def test_a_saturated_rack_spills_over(pd: PdStack, session: aiohttp.Client
         tasks = []
         for i in range(16):
             tasks.append(asyncio.create_task(chat(session, pd, prompt(f"hot{i}-", 300))))
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.1)  # pacing, not a wait
         await asyncio.gather(*tasks)
         pairs = []
         for key in rack1_decodes:

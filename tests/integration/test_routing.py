@@ -224,7 +224,10 @@ async def test_endpoints_file_edit_moves_traffic(upstreams: Upstreams,
 
         # A broken edit is ignored: the last good set stays in force.
         s.epp.endpoints_file.write_text("endpoints: [{address: nope}]\n")
-        await asyncio.sleep(1.2)
+        assert s.epp.proc is not None
+        log = s.epp.proc.log_path
+        await eventually(lambda: "endpoints file change ignored" in log.read_text(),
+                         what="the EPP to read (and reject) the broken edit")
         status, h, _ = await post(session, s, completion(), headers={"x-test-pin": str(c)})
         assert status == 200 and h["x-sim-server"] == f"sim-{c}"
     finally:

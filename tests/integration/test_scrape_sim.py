@@ -10,8 +10,7 @@ from __future__ import annotations
 import asyncio
 import re
 import sys
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -21,17 +20,10 @@ from epp.datalayer.scraper import MetricsScraper, ScrapeOptions
 from epp.datastore.store import Datastore
 from epp.scheduling.types import Endpoint, Metrics
 from epp.stack.procs import ManagedProcess, free_port, wait_port
+from tests.polling import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
-
-
-async def eventually(pred: Callable[[], bool], timeout: float = 15.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 class Sims:
@@ -91,7 +83,8 @@ async def test_scraper_sees_running_waiting_and_kv_of_real_sims(sims: Sims) -> N
     scraper.start()
     try:
         await eventually(lambda: m(store, sims.busy).updated_at is not None
-                         and m(store, sims.idle).updated_at is not None, what="first scrapes")
+                         and m(store, sims.idle).updated_at is not None,
+                         timeout=15, what="first scrapes")
         idle0 = m(store, sims.idle)
         assert (idle0.running_requests, idle0.waiting_queue_size, idle0.kv_cache_usage) == \
             (0, 0, 0.0)
@@ -100,7 +93,7 @@ async def test_scraper_sees_running_waiting_and_kv_of_real_sims(sims: Sims) -> N
             await sims.load_busy(session)
             await eventually(lambda: m(store, sims.busy).running_requests == 2
                              and m(store, sims.busy).waiting_queue_size == 3,
-                             what="2 running / 3 waiting on the busy pod")
+                             timeout=15, what="2 running / 3 waiting on the busy pod")
             busy = m(store, sims.busy)
             assert 0.0 < busy.kv_cache_usage <= 1.0
             assert not busy.stale
@@ -121,10 +114,10 @@ async def test_killed_sim_goes_stale_keeping_its_last_values(sims: Sims) -> None
         async with aiohttp.ClientSession() as session:
             await sims.load_busy(session)
             await eventually(lambda: m(store, sims.busy).running_requests == 2,
-                             what="busy pod loaded")
+                             timeout=15, what="busy pod loaded")
             await sims.proc.stop()
             await eventually(lambda: m(store, sims.busy).stale and m(store, sims.idle).stale,
-                             what="both stale")
+                             timeout=15, what="both stale")
             assert m(store, sims.busy).running_requests == 2  # kept, marked stale
             assert len(store) == 2  # nothing dropped
             assert "failed" in (scraper.last_error(f"127.0.0.1:{sims.busy}") or "")
@@ -158,14 +151,16 @@ async def test_epp_serve_scrapes_and_exports(sims: Sims, tmp_path: Path) -> None
                 return float(mm.group(1)) if mm else None
 
             await sims.load_busy(session)
-            deadline = time.monotonic() + 15
-            while True:
+            text = ""
+
+            async def scraped_the_queue() -> bool:
+                nonlocal text
                 text = await scrape()
                 ok = re.search(r'epp_model_server_scrapes_total\{result="success"\} (\S+)', text)
-                if ok and float(ok.group(1)) > 0 and queue_of(sims.busy) == 3.0:
-                    break
-                assert time.monotonic() < deadline, text + epp.log_tail()
-                await asyncio.sleep(0.05)
+                return bool(ok and float(ok.group(1)) > 0 and queue_of(sims.busy) == 3.0)
+
+            await eventually(scraped_the_queue, timeout=15, interval=0.05,
+                             what=lambda: "the busy pod's queue in\n" + text + epp.log_tail())
             assert queue_of(sims.idle) == 0.0
             assert "epp_model_server_metrics_stale_endpoints 0.0" in text
     finally:
@@ -196,10 +191,12 @@ async def test_envoy_routes_away_from_the_queued_pod(sims: Sims, tmp_path: Path)
     try:
         async with aiohttp.ClientSession() as session:
             await sims.load_busy(session)
-            deadline = time.monotonic() + 15
-            while await stack.epp.metric(session, "inference_pool_average_queue_size") < 1.5:
-                assert time.monotonic() < deadline, "the EPP never saw the busy pod's queue"
-                await asyncio.sleep(0.05)
+
+            async def saw_the_queue() -> bool:
+                return await stack.epp.metric(session, "inference_pool_average_queue_size") >= 1.5
+
+            await eventually(saw_the_queue, timeout=15, interval=0.05,
+                             what="the EPP to see the busy pod's queue")
             before = {p: len(await stack.upstreams.requests(session, p))
                       for p in (sims.busy, sims.idle)}
             for i in range(20):

@@ -74,7 +74,7 @@ async def test_workers_route_reject_and_count_like_one_process(
         except AssertionError:
             raise AssertionError(samples(last["t"], "epp_extproc_streams_total")) from None
         total = samples(text, "inference_objective_request_total")
-        assert total['{model_name="m",target_model_name="m"}'] == 33
+        assert total['{model_name="m",priority="0",target_model_name="m"}'] == 33
         errs = samples(text, "inference_objective_request_error_total")
         assert errs['{error_code="400",model_name="",target_model_name=""}'] == 1
         assert errs['{error_code="413",model_name="",target_model_name=""}'] == 1

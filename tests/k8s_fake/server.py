@@ -500,7 +500,7 @@ class FakeApiServer:
         return resp
 
     async def _bookmarks(self) -> None:
-        while True:
+        while True:  # a period, as a real API server's bookmarks: not a wait
             await asyncio.sleep(self.bookmark_interval_s)
             self.bookmark()
 

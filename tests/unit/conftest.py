@@ -4,7 +4,6 @@ module may override it), a client for it (``api``) and discovery harnesses
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -18,18 +17,6 @@ from epp.discovery.reflector import ReflectorOptions
 from tests.k8s_fake import FakeApiServer
 
 FAST = ReflectorOptions(backoff_initial_s=0.02, backoff_max_s=0.1, min_healthy_watch_s=0.05)
-
-
-async def eventually(check: Callable[[], Any], timeout: float = 5.0) -> Any:
-    """Poll ``check()`` (sync) until truthy; bounded in time."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s (last: {result!r})")
-        await asyncio.sleep(0.01)
 
 
 @pytest_asyncio.fixture

@@ -7,7 +7,12 @@ Only the config loader imports this module; plugins import the framework
 from __future__ import annotations
 
 from epp.framework.registry import Registry
+from epp.parsing.parsers import BUILTIN_PARSERS
 from epp.scheduling.plugins import (
+    affinity,
+    concurrency,
+    conformance,
+    datalayer,
     filters,
     handlers,
     load,
@@ -16,6 +21,7 @@ from epp.scheduling.plugins import (
     pd,
     pickers,
     prefix,
+    reporter,
     roles,
     saturation,
     scorers,
@@ -53,6 +59,16 @@ BUILTIN_PLUGINS: tuple[type, ...] = (
     filters.LabelSelectorFilter,
     filters.ByLabelSelectorFilter,
     saturation.UtilizationDetector,
+    concurrency.ConcurrencyDetector,
+    affinity.PrefixCacheAffinityFilter,
+    conformance.HeaderBasedTestingFilter,
+    conformance.DestinationEndpointServedVerifier,
+    reporter.RequestAttributeReporter,
+    datalayer.MetricsDataSource,
+    datalayer.CoreMetricsExtractor,
+    datalayer.EndpointNotificationSource,
+    datalayer.K8sNotificationSource,
+    *BUILTIN_PARSERS,  # openai-parser, passthrough-parser, vllmgrpc-parser, vllmhttp-parser
 )
 
 

@@ -16,9 +16,14 @@ the load scorers decide. ``balanceAbsThreshold: 0`` turns the guard off. (The sa
 as sglang-router's cache-aware balance thresholds, applied per endpoint.)
 
 A config may declare the producer explicitly (its parameters tune the index) or only the
-scorer: the scorer then creates its own producer from the same parameters (GIE's
-``prefix-cache-scorer`` takes them directly; ``hashBlockSize`` is GIE's older name for the
-block size in characters).
+scorer: the scorer then creates its own producer from the same parameters (GIE's loader
+hands the scorer's parameters to the producer it creates; ``hashBlockSize`` is an older
+name for the block size in characters). With a producer declared, parameters on the
+scorer are ignored with a warning, as GIE ignores them. ``maxPrefixTokensToMatch`` (> 0)
+caps the match in tokens instead of blocks (blocks = tokens / ``blockSizeTokens``).
+``blockSize`` is GIE's deprecated character block size: ignored (with a warning) while
+``blockSizeTokens`` is > 0 — GIE rejects it only beside ``blockSizeTokens: 0``, which
+this EPP rejects anyway.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from typing import Any
 from epp import keys
 from epp.errors import ConfigError
 from epp.framework.handle import PluginHandle
-from epp.framework.params import param
+from epp.framework.params import config_warning, param
 from epp.scheduling.prefix.indexer import PrefixIndex, prompt_block_hashes
 from epp.scheduling.types import CycleState, Endpoint, LLMRequest, SchedulingResult
 
@@ -45,10 +50,19 @@ class PrefixIndexParameters:
     hash_block_size: int | None = param("hashBlockSize", None, minimum=1)
     block_size_tokens: int = param("blockSizeTokens", 16, minimum=1)
     max_prefix_blocks_to_match: int = param("maxPrefixBlocksToMatch", 256, minimum=1)
+    max_prefix_tokens_to_match: int = param("maxPrefixTokensToMatch", 0, minimum=0)
     lru_capacity_per_server: int = param("lruCapacityPerServer", 31_250, minimum=1)
     auto_tune: bool = param("autoTune", True)
     balance_abs_threshold: int = param("balanceAbsThreshold", 4, minimum=0)
     balance_rel_threshold: float = param("balanceRelThreshold", 1.5, minimum=1.0)
+    block_size: int | None = param("blockSize", None)  # GIE's deprecated character size
+
+    @property
+    def max_blocks(self) -> int:
+        """Blocks to match: ``maxPrefixTokensToMatch / blockSizeTokens`` when set (GIE)."""
+        if self.max_prefix_tokens_to_match > 0:
+            return self.max_prefix_tokens_to_match // self.block_size_tokens
+        return self.max_prefix_blocks_to_match
 
 
 @dataclass(frozen=True)
@@ -59,10 +73,12 @@ class PrefixScorerParameters:
     hash_block_size: int | None = param("hashBlockSize", None, minimum=1)
     block_size_tokens: int | None = param("blockSizeTokens", None, minimum=1)
     max_prefix_blocks_to_match: int | None = param("maxPrefixBlocksToMatch", None, minimum=1)
+    max_prefix_tokens_to_match: int | None = param("maxPrefixTokensToMatch", None, minimum=0)
     lru_capacity_per_server: int | None = param("lruCapacityPerServer", None, minimum=1)
     auto_tune: bool | None = param("autoTune", None)
     balance_abs_threshold: int | None = param("balanceAbsThreshold", None, minimum=0)
     balance_rel_threshold: float | None = param("balanceRelThreshold", None, minimum=1.0)
+    block_size: int | None = param("blockSize", None)
 
     def index_parameters(self) -> PrefixIndexParameters | None:
         """The producer's parameters with these set, or None when none is set."""
@@ -72,11 +88,17 @@ class PrefixScorerParameters:
 
 def _producer_kwargs(p: PrefixIndexParameters) -> dict[str, Any]:
     return {"block_size_tokens": p.block_size_tokens,
-            "max_blocks": p.max_prefix_blocks_to_match,
+            "max_blocks": p.max_blocks,
             "lru_capacity_per_server": p.lru_capacity_per_server,
             "auto_tune": p.auto_tune, "block_chars": p.hash_block_size,
             "balance_abs_threshold": p.balance_abs_threshold,
             "balance_rel_threshold": p.balance_rel_threshold}
+
+
+def _warn_block_size(block_size: int | None, name: str) -> None:
+    if block_size is not None:
+        config_warning(name, f"blockSize ({block_size}) is deprecated and ignored; the block "
+                       "size is blockSizeTokens (in tokens)")
 
 
 class ApproxPrefixCacheProducer:
@@ -101,6 +123,7 @@ class ApproxPrefixCacheProducer:
     @classmethod
     def from_params(cls, name: str, params: PrefixIndexParameters,
                     handle: PluginHandle) -> ApproxPrefixCacheProducer:
+        _warn_block_size(params.block_size, name)
         return cls(name, **_producer_kwargs(params))
 
     def prefix_index_size(self) -> int:
@@ -162,6 +185,7 @@ class ApproxPrefixCacheProducer:
             # For the exported hit ratio: how much of the prompt the chosen endpoint held.
             matched = self.index.match(hashes, (key,)).get(key, 0)
             request.plugin_state[keys.PLUGIN_STATE_PREFIX_HIT_RATIO] = matched / len(hashes)
+            request.plugin_state[keys.PLUGIN_STATE_PREFIX_HIT_BYTES] = matched * self.block_chars
             self.index.add(key, hashes)
 
     def response_complete(self, request: LLMRequest, endpoint_key: str, aborted: bool) -> None:
@@ -191,6 +215,7 @@ class PrefixCacheScorer:
     @classmethod
     def from_params(cls, name: str, params: PrefixScorerParameters,
                     handle: PluginHandle) -> PrefixCacheScorer:
+        _warn_block_size(params.block_size, name)
         return cls(name, params.index_parameters())
 
     def bind(self, handle: PluginHandle) -> None:
@@ -201,8 +226,9 @@ class PrefixCacheScorer:
                               "keep one")
         if producers:
             if self._own_params is not None:
-                raise ConfigError(f"{self.name}: parameters are set on both prefix-cache-scorer "
-                                  "and approx-prefix-cache-producer; set them on the producer")
+                config_warning(self.name, "parameters on prefix-cache-scorer are ignored: "
+                               f"{producers[0].name!r} (approx-prefix-cache-producer) is "
+                               "declared; set them there")
             self.producer = producers[0]
             return
         self.producer = ApproxPrefixCacheProducer(

@@ -1,0 +1,180 @@
+"""Approximate prefix cache: the producer and scorer plugins (the hashing and the bounded
+index they use: tests/unit/scheduling/prefix/test_indexer.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from epp.config.loader import build, load_and_build, parse_config
+from epp.scheduling.plugins.prefix import ApproxPrefixCacheProducer, PrefixCacheScorer
+from epp.scheduling.types import (
+    ApiType,
+    CycleState,
+    Endpoint,
+    LLMRequest,
+    Metrics,
+    ProfileRunResult,
+    SchedulingResult,
+)
+
+
+def req(prompt: str, model: str = "m", salt: str | None = None) -> LLMRequest:
+    return LLMRequest("r", model, model, ApiType.COMPLETIONS, prompt, {}, cache_salt=salt)
+
+
+def eps(n: int) -> list[Endpoint]:
+    return [Endpoint(f"p{i}", f"10.0.0.{i}", 8000) for i in range(n)]
+
+
+def went_to(producer: ApproxPrefixCacheProducer, r: LLMRequest, e: Endpoint) -> None:
+    producer.pre_request(r, SchedulingResult({"default": ProfileRunResult((e,))}, "default"))
+
+
+def test_scorer_scores_matched_over_total_and_index_follows_decisions() -> None:
+    prod = ApproxPrefixCacheProducer("prod", block_size_tokens=4)  # 16-char blocks
+    scorer = PrefixCacheScorer("s")
+    scorer.producer = prod
+    e = eps(3)
+    system = "You are helpful." * 4  # 4 blocks
+    r1 = req(system + "question one, please?")  # 16*4 + 21 chars -> 5 blocks
+    assert scorer.score(CycleState(), r1, e) == [0.0, 0.0, 0.0]
+    went_to(prod, r1, e[1])
+    r2 = req(system + "question two, please?")
+    scores = scorer.score(CycleState(), r2, e)
+    assert scores[0] == 0 and scores[2] == 0 and scores[1] == pytest.approx(4 / 5)
+    assert scorer.score(CycleState(), req(r1.prompt), e)[1] == 1.0
+    prod.endpoint_removed(e[1].key)
+    assert scorer.score(CycleState(), r2, e) == [0.0, 0.0, 0.0]
+
+
+def test_hashes_computed_once_per_request() -> None:
+    prod = ApproxPrefixCacheProducer("prod")
+    r = req("z" * 1000)
+    first = prod.hashes(r)
+    assert prod.hashes(r) is first
+
+
+def test_auto_tune_sets_capacity_from_cache_config_info() -> None:
+    prod = ApproxPrefixCacheProducer("prod", block_size_tokens=16)
+    e = Endpoint("p", "10.0.0.1", 8000, metrics=Metrics(block_size=16, num_blocks=100))
+    prod.match(CycleState(), req("q" * 64 * 3), [e])
+    assert prod.index.capacity(e.key) == 100
+
+
+def test_chat_history_changes_affinity_only_after_shared_part() -> None:
+    # Every message counts: two chats sharing a long first message but differing later
+    # match for the shared blocks only.
+    prod = ApproxPrefixCacheProducer("prod", block_size_tokens=4)
+    scorer = PrefixCacheScorer("s")
+    scorer.producer = prod
+    e = eps(2)
+    shared = "<|system|>\n" + "be brief. " * 20 + "\n"
+    a = req(shared + "<|user|>\nfirst question about billing\n")
+    went_to(prod, a, e[0])
+    b = req(shared + "<|user|>\nsecond question about storage\n")
+    s = scorer.score(CycleState(), b, e)
+    total = len(prod.hashes(b))
+    assert 0 < s[0] < 1 and s[1] == 0
+    assert s[0] == pytest.approx((len(shared.encode()) // 16) / total)
+
+
+def test_config_scorer_alone_creates_its_producer_from_gie_parameters() -> None:
+    built = build(parse_config("""
+plugins:
+- type: prefix-cache-scorer
+  parameters: {hashBlockSize: 32, maxPrefixBlocksToMatch: 8, lruCapacityPerServer: 50}
+- type: max-score-picker
+""", "t.yaml"))
+    scorer = built.plugins["prefix-cache-scorer"]
+    assert isinstance(scorer, PrefixCacheScorer) and scorer.producer is not None
+    assert scorer.producer.block_chars == 32 and scorer.producer.max_blocks == 8
+    assert scorer.producer.index.default_capacity == 50
+    assert scorer.producer in built.pre_request and scorer.producer in built.endpoint_removed
+
+
+def test_config_declared_producer_is_shared() -> None:
+    built = load_and_build()
+    scorer = built.plugins["prefix-cache-scorer"]
+    assert isinstance(scorer, PrefixCacheScorer)
+    assert scorer.producer is built.plugins["approx-prefix-cache-producer"]
+
+
+def test_scorer_parameters_beside_a_declared_producer_are_ignored_with_a_warning() -> None:
+    # GIE's scorer then reads the declared producer; its own parameters are not used.
+    built = build(parse_config("""
+plugins:
+- type: prefix-cache-scorer
+  parameters: {blockSizeTokens: 8}
+- type: approx-prefix-cache-producer
+""", "t.yaml"))
+    (warning,) = built.warnings
+    assert warning.startswith("t.yaml: prefix-cache-scorer: parameters on prefix-cache-scorer "
+                              "are ignored") and "set them there" in warning
+    scorer = built.plugins["prefix-cache-scorer"]
+    assert scorer.producer is built.plugins["approx-prefix-cache-producer"]  # type: ignore[attr-defined]
+    assert scorer.producer.block_size_tokens == 16  # type: ignore[attr-defined]
+
+
+def test_default_config_routes_repeat_prompts_to_the_same_endpoint() -> None:
+    built = load_and_build()
+    e = eps(4)
+    prompt = "tell me about the history of the printing press " * 20
+    chosen = set()
+    for _ in range(10):
+        r = req(prompt)
+        result = built.scheduler.schedule(r, e)
+        for p in built.pre_request:
+            p.pre_request(r, result)
+        key = result.primary.endpoints[0].key
+        chosen.add(key)
+        for p in built.response_complete:  # sequential: each finishes before the next
+            p.response_complete(r, key, False)
+    assert len(chosen) == 1
+
+
+def test_balance_guard_spreads_a_shared_prompt_under_load() -> None:
+    """The hot-spot trap: one shared prompt, many concurrent requests."""
+    built = load_and_build()
+    e = eps(4)
+    prompt = "one system prompt shared by all traffic " * 40
+    placed: dict[str, int] = {}
+    for _ in range(40):  # 40 concurrent requests, none finishes
+        r = req(prompt)
+        result = built.scheduler.schedule(r, e)
+        for p in built.pre_request:
+            p.pre_request(r, result)
+        key = result.primary.endpoints[0].key
+        placed[key] = placed.get(key, 0) + 1
+    assert len(placed) == 4
+    # No pod exceeds the least loaded by more than balanceAbsThreshold (4) + 1.
+    assert max(placed.values()) - min(placed.values()) <= 5
+
+
+def test_balance_guard_off_piles_onto_one_pod() -> None:
+    prod = ApproxPrefixCacheProducer("prod", balance_abs_threshold=0)
+    scorer = PrefixCacheScorer("s")
+    scorer.producer = prod
+    e = eps(3)
+    r = req("shared " * 100)
+    for _ in range(20):
+        went_to(prod, req(r.prompt), e[0])
+    assert scorer.score(CycleState(), req(r.prompt), e)[0] == 1.0
+
+
+def test_balance_guard_uses_inflight_and_scraped_load() -> None:
+    prod = ApproxPrefixCacheProducer("prod", balance_abs_threshold=2, balance_rel_threshold=1.5)
+    e = eps(3)
+    prod.inflight = {e[0].key: 3}
+    assert prod.hot(e) == {e[0].key}           # 3 > max(0 + 2, 0 * 1.5)
+    prod.inflight = {e[0].key: 2}
+    assert prod.hot(e) == set()                # 2 is not > 2
+    x = Endpoint("x", "10.0.1.1", 8000, metrics=Metrics(waiting_queue_size=4, running_requests=4))
+    y = Endpoint("y", "10.0.1.2", 8000, metrics=Metrics(running_requests=5))
+    assert prod.hot([x, y]) == {"10.0.1.1:8000"}   # 8 > max(5 + 2, 7.5)
+    y2 = Endpoint("y", "10.0.1.2", 8000, metrics=Metrics(running_requests=6))
+    assert prod.hot([x, y2]) == set()              # 8 is not > max(6 + 2, 9)
+    r = req("q" * 200)
+    went_to(prod, r, e[1])
+    assert prod.inflight[e[1].key] == 1
+    prod.response_complete(r, e[1].key, aborted=True)
+    assert e[1].key not in prod.inflight       # aborts release too

@@ -251,7 +251,9 @@ class EppServer:
             secure_serving=parts.plan.secure_serving, cert_path=o.tls.cert_path,
             cert_reload=o.tls.enable_cert_reload,
             drain_timeout=o.drain.timeout_s, drain_quiet=o.drain.quiet_period_s,
-            log_level=o.observability.log_level, log_format=o.observability.log_format))
+            log_level=o.observability.log_level, log_format=o.observability.log_format,
+            parser_type=None if parts.built.parser_plugin is None
+            else parts.built.parser_plugin.type_name))
         fronts = FrontProcesses(core_server, pool)
         # Entered before the processes start: one that started is stopped even if the
         # next one fails to.

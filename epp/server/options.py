@@ -43,13 +43,12 @@ from epp.server.leader import LeaderElectionOptions, default_identity, lease_nam
 DEFAULT_MAX_BODY = 64 << 20
 
 # GIE v1.5.0's EPP defaults --secure-serving, --tracing and --metrics-endpoint-auth to
-# true. Each is this EPP's default through one constant here, and each is still off: with
-# it on, every caller that starts `epp serve` expecting plaintext ext_proc (the test
-# suite's helpers), no tracing, or an open /metrics on Kubernetes must pass
-# --secure-serving=false, --tracing=false or --metrics-endpoint-auth=false. epp/stack,
-# bench/ and deploy/ already pass theirs explicitly (epp.stack.procs.LOCAL_SERVE_FLAGS).
-# The flags themselves have GIE's meaning either way (docs/configuration.md).
-DEFAULT_SECURE_SERVING: Final = False  # GIE: true (self-signed without --cert-path)
+# true. Each is this EPP's default through one constant here. --secure-serving is on, as
+# in GIE (TLS on ext_proc, self-signed without --cert-path): whatever starts `epp serve`
+# for a plaintext gateway passes --secure-serving=false (epp/stack, bench/ and the tests
+# do: epp.stack.procs.LOCAL_SERVE_FLAGS). --tracing and --metrics-endpoint-auth are still
+# off (docs/configuration.md, "GIE's flags", says why). The flags have GIE's meaning.
+DEFAULT_SECURE_SERVING: Final = True  # GIE: true (self-signed without --cert-path)
 DEFAULT_TRACING: Final = False  # GIE: true
 DEFAULT_METRICS_ENDPOINT_AUTH: Final = False  # GIE: true (TokenReview/SubjectAccessReview)
 

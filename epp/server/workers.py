@@ -55,6 +55,7 @@ from grpc_health.v1 import health_pb2_grpc
 from epp.errors import EppError
 from epp.handlers.extproc import DEFAULT_MAX_HEADERS, ExtProcServicer
 from epp.observability.observer import ResponseStats
+from epp.parsing.parser import Parser
 from epp.parsing.usage import Usage
 from epp.requestcontrol.director import Decision, Director, SchedulingCore
 from epp.scheduling.types import ApiType, LLMRequest
@@ -426,7 +427,7 @@ async def run_front(args: argparse.Namespace) -> int:
 
     reader, writer = await asyncio.open_unix_connection(args.core_socket)
     core = RemoteCore(reader, writer, on_control)
-    director = Director(core)
+    director = Director(core, _front_parser(args.parser))
     # No message limit, as in one process (epp/server/app.py, _start_ext_proc): a BUFFERED
     # body over --max-request-body-bytes must reach the handler to get its 413.
     server = grpc.aio.server(options=[
@@ -487,7 +488,10 @@ def front_argv(*, core_socket: str, grpc_port: int, bind_address: str, max_body:
                cert_reload: bool = False, log_format: str = "text",
                drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
                drain_quiet: float = DEFAULT_DRAIN_QUIET_S,
-               max_headers: int = DEFAULT_MAX_HEADERS) -> list[str]:
+               max_headers: int = DEFAULT_MAX_HEADERS,
+               parser_type: str | None = None) -> list[str]:
+    """The command line of one front process. ``parser_type``: the config's parser
+    plugin type (``parser:`` section), built in each front; None: openai-parser."""
     argv = [sys.executable, "-m", "epp.server.workers", "--core-socket", core_socket,
             "--grpc-port", str(grpc_port), "--bind-address", bind_address,
             "--max-request-body-bytes", str(max_body), "--max-request-headers",
@@ -500,7 +504,24 @@ def front_argv(*, core_socket: str, grpc_port: int, bind_address: str, max_body:
         argv += ["--cert-path", cert_path]
     if cert_reload:
         argv.append("--enable-cert-reload")
+    if parser_type:
+        argv += ["--parser", parser_type]
     return argv
+
+
+def _front_parser(parser_type: str | None) -> Parser | None:
+    """The parser plugin a front parses with: the config's ``parser:`` type, built with
+    its defaults (parser plugins take no parameters); None: the Director's default."""
+    if not parser_type:
+        return None
+    from epp.framework.handle import PluginHandle
+    from epp.scheduling.plugins.catalog import default_registry
+
+    built = default_registry().builder(parser_type, "--parser")(
+        parser_type, None, "parser.parameters", PluginHandle())
+    if not isinstance(built, Parser):
+        raise SystemExit(f"--parser {parser_type!r} is not a parser plugin")
+    return built
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -521,6 +542,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="seconds (epp serve --drain-quiet-period)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--log-format", default="text")
+    p.add_argument("--parser", default=None,
+                   help="the config's parser plugin type (default: openai-parser)")
     args = p.parse_args(argv)
     from epp.observability.logging import setup_logging
 

@@ -180,6 +180,7 @@ def render_envoy_config(
     epp_keepalive_s: float | None = 10.0,
     pool_endpoints: Sequence[str] | None = None,
     response_path: str = DEFAULT_RESPONSE_PATH,
+    epp_tls: bool = False,
 ) -> str:
     """Render the Envoy bootstrap YAML.
 
@@ -219,6 +220,8 @@ def render_envoy_config(
       (the filter routes only, marked with gRPC metadata ``x-epp-response-path:
       observer``, and a second ext_proc filter in observability mode streams the response
       to the EPP without waiting for it; docs/architecture.md, "Response observer").
+    - ``epp_tls``: connect to the EPP with TLS, without verifying its certificate (for an
+      ``epp serve`` with --secure-serving, its default); plaintext otherwise.
 
     Raises ValueError for an unknown ``body_mode`` or ``response_path``, a bad port, a negative timeout or a
     non-positive ``max_body_bytes``.
@@ -273,7 +276,20 @@ def render_envoy_config(
         retry_policy=retry_policy,
         routing_initial_metadata=_ROUTING_INITIAL_METADATA if observer else "",
         observer_filter=_OBSERVER_FILTER if observer else "",
+        epp_transport_socket=_EPP_TLS if epp_tls else "",
     )
+
+
+# TLS to the EPP (``epp serve`` serves TLS by default, with a self-signed certificate
+# unless --cert-path): encrypted, not verified — what gateways configured for GIE's EPP do.
+_EPP_TLS: Final = """\
+    transport_socket:
+      name: envoy.transport_sockets.tls
+      typed_config:
+        "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
+        common_tls_context:
+          alpn_protocols: [h2]
+"""
 
 
 _ORIGINAL_DST_CLUSTER: Final = """\

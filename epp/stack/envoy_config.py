@@ -58,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=64 << 20,
                    help="largest request body the gateway buffers (default 64 MiB; match "
                    "epp serve's --max-request-body-bytes)")
+    p.add_argument("--epp-tls", choices=("true", "false"), default="true",
+                   help="connect to the EPP with TLS, unverified (default true: epp serve "
+                   "serves TLS unless --secure-serving=false, as GIE's EPP does)")
     p.add_argument("-o", "--output", default=None, metavar="FILE",
                    help="write the configuration to FILE instead of stdout")
 
@@ -79,7 +82,7 @@ def render_from_args(args: argparse.Namespace) -> str:
             epp_address=epp_host, admin_port=args.admin_port, body_mode=args.body_mode,
             response_path=args.response_path, route_timeout_s=args.route_timeout,
             message_timeout_s=args.message_timeout, max_body_bytes=args.max_body_bytes,
-            pool_endpoints=endpoints)
+            pool_endpoints=endpoints, epp_tls=args.epp_tls == "true")
     except ValueError as e:
         raise ConfigError(str(e)) from e
 

@@ -93,7 +93,7 @@ class Epp:
     async def _start_once(self) -> None:
         self.starts += 1
         self.proc = ManagedProcess(
-            [sys.executable, "-m", "epp.cli", "serve", "--drain-quiet-period", "0", "--bind-address", "127.0.0.1",
+            [sys.executable, "-m", "epp.cli", "serve", "--secure-serving=false", "--drain-quiet-period", "0", "--bind-address", "127.0.0.1",
              "--grpc-port", str(self.grpc_port), "--grpc-health-port", str(self.health_port),
              "--metrics-port", str(self.metrics_port), "--endpoints-file",
              str(self.endpoints_file),

@@ -28,16 +28,20 @@ def envoy_config(*args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=30, cwd=ROOT, check=False)
 
 
+@pytest.mark.parametrize("tls", ["true", "false"])
 @pytest.mark.parametrize("shape", RESPONSE_PATHS)
 @pytest.mark.parametrize("body_mode", BODY_MODES)
-def test_every_shape_validates_in_envoy(tmp_path: Path, body_mode: str, shape: str) -> None:
+def test_every_shape_validates_in_envoy(tmp_path: Path, body_mode: str, shape: str,
+                                        tls: str) -> None:
     out = tmp_path / "envoy.yaml"
     r = envoy_config("--epp", "10.1.2.3:9002", "--listen", "127.0.0.1:18081",
-                     "--body-mode", body_mode, "--response-path", shape, "-o", str(out))
+                     "--body-mode", body_mode, "--response-path", shape, "--epp-tls", tls,
+                     "-o", str(out))
     assert r.returncode == 0, r.stderr
     text = out.read_text()
     assert "${" not in text  # no placeholder left for the user to fill in
     assert "10.1.2.3" in text and "9002" in text
+    assert ("UpstreamTlsContext" in text) == (tls == "true")
     v = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(out)],
                        capture_output=True, text=True, timeout=60, check=False)
     assert v.returncode == 0, v.stdout + v.stderr
@@ -57,17 +61,21 @@ def test_fallback_endpoints_validate_and_bad_addresses_are_named(tmp_path: Path)
         assert r.returncode == 2 and message in r.stderr, (args, r.stderr)
 
 
-async def test_the_printed_config_routes_through_the_epp(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tls", [True, False], ids=["tls", "plaintext"])
+async def test_the_printed_config_routes_through_the_epp(tmp_path: Path, tls: bool) -> None:
+    """TLS: epp serve's default (--secure-serving, self-signed) and envoy-config's."""
     pods = [free_port(), free_port()]
     sims = await start_sims(pods, tmp_path / "sim.log")
-    epp = Epp(tmp_path, tmp_path / "endpoints.yaml")
+    epp = Epp(tmp_path, tmp_path / "endpoints.yaml",
+              extra_args=["--secure-serving=true"] if tls else [])
     epp.write_endpoints(pods)
     envoy = EnvoyProcess()
     try:
         await epp.start()
         listen, admin = free_port(), free_port()
         r = envoy_config("--epp", f"127.0.0.1:{epp.grpc_port}", "--listen",
-                         f"127.0.0.1:{listen}", "--admin-port", str(admin))
+                         f"127.0.0.1:{listen}", "--admin-port", str(admin),
+                         *([] if tls else ["--epp-tls", "false"]))
         assert r.returncode == 0, r.stderr
         await envoy.start(r.stdout, tmp_path)
         await envoy.wait_ready()

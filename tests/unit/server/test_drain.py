@@ -21,6 +21,7 @@ from epp.server.options import (
     KubernetesSourceOptions,
     ListenOptions,
     ScrapingOptions,
+    TlsOptions,
 )
 from epp.stack.procs import free_port
 from tests.polling import eventually
@@ -223,6 +224,7 @@ async def test_server_drain_drops_readiness_releases_the_lease_keeps_discovery(
             pool_name="pool", pool_namespace="default",
             kubeconfig=str(fake.write_kubeconfig(tmp_path / "kc"))),
         scraping=ScrapingOptions(enabled=False),
+        tls=TlsOptions(secure_serving=False),
         ha=HaOptions(enable_leader_election=True, lease_duration_s=1.0, renew_deadline_s=0.6,
                      retry_period_s=0.1)))
 

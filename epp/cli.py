@@ -60,6 +60,11 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     src.add_argument("--endpoints", help="static endpoints: ip:port[,ip:port…]")
     src.add_argument("--endpoints-file",
                      help="YAML file of endpoints (and node labels); re-read when it changes")
+    p.add_argument("--objectives-file", metavar="FILE",
+                   help="YAML file of InferenceObjective and InferenceModelRewrite objects "
+                   "(request priorities, model rewrites) for the modes without an "
+                   "InferencePool; re-read when it changes. With --pool-name the EPP "
+                   "watches these objects in the cluster instead (docs/configuration.md)")
     _add_kubernetes_flags(p)
     p.add_argument("--workers", type=int, default=1, metavar="N",
                    help="ext_proc front processes around one scheduling core (default 1: "
@@ -433,6 +438,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
                                 strict=args.strict_config),
         static=so.StaticSourceOptions(endpoints=args.endpoints,
                                       endpoints_file=args.endpoints_file),
+        objectives=so.ObjectivesOptions(file=args.objectives_file),
         kubernetes=so.KubernetesSourceOptions(
             pool_name=args.pool_name, pool_namespace=args.pool_namespace,
             pool_group=args.pool_group, endpoint_selector=args.endpoint_selector,

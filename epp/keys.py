@@ -15,8 +15,10 @@ HEADER_CONTENT_LENGTH: Final = "content-length"
 HEADER_REQUEST_ID: Final = "x-request-id"
 HEADER_OBJECTIVE: Final = "x-gateway-inference-objective"
 HEADER_FAIRNESS_ID: Final = "x-gateway-inference-fairness-id"
+DEFAULT_FAIRNESS_ID: Final = "default-flow"  # GIE: a request without the header
 HEADER_MODEL_REWRITE: Final = "x-gateway-model-name-rewrite"
 HEADER_SESSION_TOKEN: Final = "x-session-token"
+HEADER_SLO_TTFT_MS: Final = "x-slo-ttft-ms"  # slo-deadline-ordering-policy
 HEADER_EXPLAIN: Final = "x-epp-explain"  # request: ask for it; response: the decision JSON
 HEADER_TRACEPARENT: Final = "traceparent"
 
@@ -160,7 +162,36 @@ ANNOTATION_ACTIVE_PORTS: Final = "inference.networking.k8s.io/active-ports"
 # Lease name: epp-<namespace>-<pool>.<suffix>, as GIE's EPP names it.
 K8S_LEASE_SUFFIX: Final = "gateway-api-inference-extension.sigs.k8s.io"
 ENV_NAMESPACE: Final = "NAMESPACE"  # pool namespace when --pool-namespace is not given
+# InferenceObjective / InferenceModelRewrite (GIE apix/v1alpha2), namespaced, watched in pool mode.
+K8S_OBJECTIVE_API_VERSION: Final = "inference.networking.x-k8s.io/v1alpha2"
+K8S_OBJECTIVE_PLURAL: Final = "inferenceobjectives"
+K8S_MODEL_REWRITE_PLURAL: Final = "inferencemodelrewrites"
+K8S_OBJECTIVE_KIND: Final = "InferenceObjective"
+K8S_MODEL_REWRITE_KIND: Final = "InferenceModelRewrite"
+K8S_POOL_KIND: Final = "InferencePool"  # poolRef.kind's default
 
 # --- Per-request plugin state shared with the core (LLMRequest.plugin_state) ---
 PLUGIN_STATE_PREFIX_HIT_RATIO: Final = "prefix-cache.hit-ratio"
 PLUGIN_STATE_PREFIX_HIT_BYTES: Final = "prefix-cache.hit-bytes"  # matched blocks × block chars
+# The latency-predictor plugins (epp/latency): per-endpoint predictions
+# ({endpoint key: LatencyPredictionInfo}, GIE's LatencyPredictionInfoKey attribute), and what
+# they hand the metrics observer (prediction durations; predicted latencies and SLO checks).
+PLUGIN_STATE_LATENCY_PREDICTIONS: Final = "LatencyPredictionInfoKey"
+PLUGIN_STATE_LATENCY_DURATIONS: Final = "latency.prediction-durations"
+PLUGIN_STATE_LATENCY_OUTCOME: Final = "latency.outcome"
+
+# --- The latency predictor (GIE's predicted-latency plugins) ---
+HEADER_SLO_TPOT_MS: Final = "x-slo-tpot-ms"  # with HEADER_SLO_TTFT_MS: the request's SLOs
+# GIE's latency-predictor sidecar client (sidecars/latencypredictorasync ConfigFromEnv):
+# with either URL set the plugins use the sidecar; without, the in-process predictor.
+ENV_TRAINING_SERVER_URL: Final = "TRAINING_SERVER_URL"
+ENV_PREDICTION_SERVER_URL: Final = "PREDICTION_SERVER_URL"  # comma-separated
+ENV_LATENCY_MAX_SAMPLE_SIZE: Final = "LATENCY_MAX_SAMPLE_SIZE"
+ENV_LATENCY_FLUSH_INTERVAL_SEC: Final = "LATENCY_FLUSH_INTERVAL_SEC"
+ENV_LATENCY_USE_NATIVE_XGBOOST: Final = "LATENCY_USE_NATIVE_XGBOOST"
+ENV_LATENCY_HTTP_TIMEOUT_SEC: Final = "LATENCY_HTTP_TIMEOUT_SEC"
+ENV_LATENCY_METRICS_INTERVAL_SEC: Final = "LATENCY_METRICS_INTERVAL_SEC"
+ENV_LATENCY_MAX_BULK_SIZE: Final = "LATENCY_MAX_BULK_SIZE"
+ENV_LATENCY_COALESCE_WINDOW_MS: Final = "LATENCY_COALESCE_WINDOW_MS"
+ENV_LATENCY_MAX_COALESCED_ROWS: Final = "LATENCY_MAX_COALESCED_ROWS"
+ENV_LATENCY_MAX_CONCURRENT_DISPATCHES: Final = "LATENCY_MAX_CONCURRENT_DISPATCHES"

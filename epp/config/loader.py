@@ -12,14 +12,16 @@ anything else, with a "did you mean"), then every plugin is created through the 
 (each decodes its own ``parameters``; an unknown parameter is ignored with a warning, as
 GIE's ``json.Unmarshal`` ignores it, or is an error with ``strict=True``), the defaults GIE
 injects are injected (a ``default`` profile, the profile handler, the picker, weight 1,
-the saturation detector, the parser, the data layer), the references are checked and
-the scheduler is assembled. Both phases run at startup; any problem raises
-:class:`ConfigError` naming the file, the path in it and the fix. Warnings are logged and
-kept on :attr:`BuiltConfig.warnings`.
+the saturation detector, the parser, the data layer), the references are checked, the
+scheduler is assembled and, last, the plugins' data dependencies are checked as GIE's
+runner checks them (epp/datalayer/dependencies.py). Both phases run at startup; any
+problem raises :class:`ConfigError` naming the file, the path in it and the fix. Warnings
+are logged and kept on :attr:`BuiltConfig.warnings`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,14 +31,23 @@ import yaml
 
 from epp import keys
 from epp.datalayer.config import DataLayerConfig, SourceConfig
+from epp.datalayer.dependencies import DependencyError, check_data_dependencies
 from epp.errors import ConfigError
+from epp.flowcontrol.config import (
+    FlowControlConfig,
+    FlowControlSpec,
+    build_flow_control,
+    parse_flow_control,
+)
 from epp.framework.handle import BindsPlugins, PluginHandle
 from epp.framework.interfaces import (
     ChecksProfiles,
     DataExtractor,
     DataSource,
+    EndpointExtractor,
     EndpointRemoved,
     Filter,
+    NotificationExtractor,
     Picker,
     Plugin,
     PluginTimer,
@@ -54,6 +65,7 @@ from epp.framework.interfaces import (
 from epp.framework.params import DecodePolicy, decoding, suggest
 from epp.framework.registry import Builder, Registry
 from epp.scheduling.plugins.catalog import default_registry
+from epp.scheduling.plugins.datalayer import EndpointNotificationSource, K8sNotificationSource
 from epp.scheduling.scheduler import Scheduler, SchedulerProfile
 
 DEFAULT_CONFIG_TEXT = """\
@@ -85,6 +97,9 @@ FEATURE_LEGACY_METRICS = "enableLegacyMetrics"  # the scraper from the flags alo
 FEATURE_FLOW_CONTROL = "flowControl"
 KNOWN_FEATURE_GATES = frozenset({FEATURE_DATA_LAYER, FEATURE_LEGACY_METRICS,
                                  FEATURE_FLOW_CONTROL})
+# GIE v1.5.0's deprecated environment switch for the flowControl gate (cmd/epp/runner:
+# applyDeprecatedEnvFeatureGate): a true value (Go's strconv.ParseBool) adds the gate.
+ENV_FLOW_CONTROL = "ENABLE_EXPERIMENTAL_FLOW_CONTROL_LAYER"
 _REMOVED_FEATURE_GATES = {
     "prepareDataPlugins": "removed in GIE v1.5.0 (data-preparation plugins always run); "
                           "remove it",
@@ -104,9 +119,8 @@ _RENAMED = {
     "data": "'data' is GIE v1.4's name of this section; GIE v1.5.0 reads only 'dataLayer' "
             "(and rejects 'data'): rename it to 'dataLayer'",
 }
-_NOT_YET = {
-    "flowControl": "flow control is not supported yet; remove the section",
-}
+# Sections GIE reads that this EPP does not support yet (none at present).
+_NOT_YET: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -167,6 +181,9 @@ class EndpointPickerConfig:
     data_layer: DataLayerSpec | None = None  # None: no ``dataLayer`` section
     parser: ParserSpec | None = None  # None: no ``parser`` section (openai-parser)
     warnings: tuple[str, ...] = ()  # from parsing; re-issued (logged) by build()
+    # The ``flowControl`` section, decoded strictly whether or not the gate is on (None:
+    # absent); built into :attr:`BuiltConfig.flow_control` only under the gate.
+    flow_control: FlowControlSpec | None = None
 
 
 @dataclass
@@ -192,6 +209,10 @@ class BuiltConfig:
     # to — the named one, or the openai-parser GIE injects.
     parser: ParserSpec | None = None
     parser_plugin: RequestParser | None = None
+    # Flow control, ready to run: set under the ``flowControl`` feature gate (from the
+    # ``flowControl`` section, or GIE's defaults without one); None without the gate,
+    # when the Director applies GIE's legacy admission instead.
+    flow_control: FlowControlConfig | None = None
     feature_gates: frozenset[str] = frozenset()
     warnings: list[str] = field(default_factory=list)
 
@@ -405,8 +426,44 @@ def parse_config(text: str, source: str = "<config>") -> EndpointPickerConfig:
         _check_keys(source, "parser", p, {"pluginRef"})
         parser = ParserSpec(_name(source, "parser.pluginRef", p.get("pluginRef")))
 
+    flow_control: FlowControlSpec | None = None
+    if "flowControl" in doc:
+        # Decoded (strictly: unknown keys, bad quantities and durations fail) even when
+        # the feature gate is off, as GIE decodes it; used only under the gate.
+        flow_control = parse_flow_control(doc["flowControl"], source)
+        warnings += flow_control.warnings
+
     return EndpointPickerConfig(source, tuple(plugins), tuple(profiles), gates, sat_ref,
-                                data_layer, parser, tuple(warnings))
+                                data_layer, parser, tuple(warnings), flow_control)
+
+
+def apply_env_feature_gates(config: EndpointPickerConfig,
+                            environ: Mapping[str, str]) -> EndpointPickerConfig:
+    """GIE v1.5.0's deprecated environment switch: ``ENABLE_EXPERIMENTAL_FLOW_CONTROL_LAYER``
+    set to a true value (``1``, ``t``, ``true``, … as Go's ``strconv.ParseBool``) adds the
+    ``flowControl`` feature gate. Setting it at all draws a deprecation warning; a value
+    that is not a boolean counts as false, with a warning (GIE's ``env.GetEnvBool``)."""
+    value = environ.get(ENV_FLOW_CONTROL)
+    if value is None:
+        return config
+    deprecated = (f"{ENV_FLOW_CONTROL}: enabling the experimental flow control layer with "
+                  "an environment variable is deprecated (GIE v1.5.0 removes it next); add "
+                  "'featureGates: [flowControl]' to the config instead")
+    warnings = [deprecated]
+    enabled = _GO_BOOLS.get(value.strip())
+    if enabled is None:
+        warnings.append(f"{ENV_FLOW_CONTROL}={value!r} is not a boolean (use true or false); "
+                        "read as false")
+    gates = config.feature_gates
+    if enabled and FEATURE_FLOW_CONTROL not in gates:
+        gates = (*gates, FEATURE_FLOW_CONTROL)
+    return dataclasses.replace(config, feature_gates=gates,
+                               warnings=(*config.warnings, *warnings))
+
+
+# Go's strconv.ParseBool.
+_GO_BOOLS = {**dict.fromkeys(("1", "t", "T", "TRUE", "true", "True"), True),
+             **dict.fromkeys(("0", "f", "F", "FALSE", "false", "False"), False)}
 
 
 def load_config_file(path: str | Path) -> EndpointPickerConfig:
@@ -447,9 +504,8 @@ class _Builder:
         if not config.plugins and not config.profiles:
             # Nothing to schedule with: an empty document means the built-in default.
             default = parse_config(DEFAULT_CONFIG_TEXT, src)
-            config = EndpointPickerConfig(src, default.plugins, default.profiles,
-                                          config.feature_gates, config.saturation_detector,
-                                          config.data_layer, config.parser, config.warnings)
+            config = dataclasses.replace(config, plugins=default.plugins,
+                                         profiles=default.profiles)
         self.config = config
         self.src = src
         self.registry = registry
@@ -489,7 +545,7 @@ class _Builder:
 
         scheduler = self._scheduler()
         handle = self.handle
-        return BuiltConfig(
+        built = BuiltConfig(
             config=cfg,
             plugins=handle.plugins,
             scheduler=scheduler,
@@ -501,10 +557,13 @@ class _Builder:
             response_usage_metadata=handle.of_type(ResponseUsageMetadata),
             saturation_detector=self._saturation_detector(),
             data_layer=self._data_layer(),
+            flow_control=self._flow_control(),
             parser=cfg.parser,
             parser_plugin=self._parser(),
             feature_gates=self.gates,
         )
+        self._check_data_dependencies(built)
+        return built
 
     def _instantiate(self, spec: PluginSpec, builder: Builder) -> None:
         try:
@@ -635,6 +694,21 @@ class _Builder:
                            "(use a utilization-detector or concurrency-detector plugin)")
         return plugin
 
+    # --- flow control: ensureFlowControlLayer, flowcontrol.NewConfigFromAPI ---
+
+    def _flow_control(self) -> FlowControlConfig | None:
+        """Under the ``flowControl`` gate: the section's policy references resolved (the
+        default policies the config does not declare are added under their type names);
+        errors name the key (epp/flowcontrol/config.py). Without the gate: None (the
+        section was only decoded)."""
+        if FEATURE_FLOW_CONTROL not in self.gates:
+            if self.config.flow_control is not None:
+                self.warn("flowControl", "ignored: flow control is off without the "
+                          "flowControl feature gate (add 'featureGates: [flowControl]'); "
+                          "sheddable requests get GIE's legacy admission")
+            return None
+        return build_flow_control(self.config.flow_control, self.handle, self.src)
+
     # --- data layer: ensureDataLayer, buildDataLayerConfig, Runtime.Configure ---
 
     def _data_layer(self) -> DataLayerConfig | None:
@@ -704,7 +778,7 @@ class _Builder:
                     raise self.err(f"{s.path}.extractors", "more than one "
                                    "core-metrics-extractor on one source is not supported; "
                                    "keep one (engineConfigs covers every engine)")
-            sources.append(SourceConfig(plugin, tuple(extractors)))
+            sources.append(SourceConfig(plugin, tuple(extractors), f"{self.src}: {s.path}"))
         return DataLayerConfig(tuple(sources))
 
     def _check_pair(self, source: DataSource, extractor: DataExtractor, path: str) -> None:
@@ -712,10 +786,42 @@ class _Builder:
             raise self.err(path, f"extractor {extractor.name!r} ({extractor.type_name}) reads "
                            f"{extractor.data_input}, but source {source.name!r} "
                            f"({source.type_name}) produces {source.data_output}")
+        # GIE's validateExtractorCompatible: the extractor implements the interface the
+        # source calls.
+        needs: tuple[type, str] | None = None
+        if isinstance(source, K8sNotificationSource):
+            needs = (NotificationExtractor, "gvk and extract_notification(event, obj)")
+        elif isinstance(source, EndpointNotificationSource):
+            needs = (EndpointExtractor, "extract_endpoint(event, endpoint)")
+        if needs is not None and not isinstance(extractor, needs[0]):
+            raise self.err(path, f"extractor {extractor.name!r} ({extractor.type_name}) is "
+                           f"not a {source.type_name} extractor: it needs {needs[1]} "
+                           "(docs/plugins.md, \"Data layer\")")
         sg, eg = getattr(source, "gvk", None), getattr(extractor, "gvk", None)
         if isinstance(sg, str) and isinstance(eg, str) and sg != eg:
             raise self.err(path, f"extractor {extractor.name!r} GVK {eg} does not match "
                            f"source {source.name!r} GVK {sg}")
+
+    # --- data dependencies: the runner's ValidateAndOrderDataDependencies, after
+    # InstantiateAndConfigure (so after every other config error) ---
+
+    def _check_data_dependencies(self, built: BuiltConfig) -> None:
+        """What plugins consume must be produced with the same type, by a plugin of an
+        earlier layer, without a cycle (epp/datalayer/dependencies.py) — over every
+        plugin of the config, the ones the loader injected included, as in GIE."""
+        plugins: list[Plugin] = list(self.handle)
+        plugins += [p.picker for p in built.scheduler.profiles.values()]
+        for p in (built.saturation_detector, built.parser_plugin):
+            if p is not None:
+                plugins.append(p)
+        for entry in built.data_layer.sources if built.data_layer is not None else ():
+            plugins += [entry.source, *entry.extractors]
+        try:
+            check_data_dependencies(plugins)
+        except DependencyError as e:
+            paths = {spec.name: spec.path for spec in self.config.plugins}
+            path = paths.get(e.plugin.name, "plugins") if e.plugin is not None else "plugins"
+            raise self.err(path, str(e)) from e
 
     # --- parser: ensureParser, buildParserConfig ---
 
@@ -738,9 +844,12 @@ class _Builder:
 
 def load_and_build(path: str | None = None, text: str | None = None,
                    registry: Registry | None = None,
-                   timer: PluginTimer = no_timer, *, strict: bool = False) -> BuiltConfig:
+                   timer: PluginTimer = no_timer, *, strict: bool = False,
+                   environ: Mapping[str, str] | None = None) -> BuiltConfig:
     """Load from a file, from inline text, or the built-in default; then build.
-    ``strict``: unknown plugin parameters are errors (``--strict-config``)."""
+    ``strict``: unknown plugin parameters are errors (``--strict-config``). ``environ``
+    (the server passes ``os.environ``): GIE's deprecated environment feature switch
+    (:func:`apply_env_feature_gates`)."""
     if path is not None and text is not None:
         raise ConfigError("give --config-file or --config-text, not both")
     if path is not None:
@@ -749,4 +858,6 @@ def load_and_build(path: str | None = None, text: str | None = None,
         cfg = parse_config(text, "--config-text")
     else:
         cfg = parse_config(DEFAULT_CONFIG_TEXT, "<default config>")
+    if environ is not None:
+        cfg = apply_env_feature_gates(cfg, environ)
     return build(cfg, registry, timer, strict=strict)

@@ -6,7 +6,8 @@ The loader (epp/config/loader.py) builds a :class:`DataLayerConfig` from
 ``enableLegacyMetrics`` feature gate (GIE's legacy metrics path: the scraper configured by
 the flags alone, as before the data layer existed). The server turns it into the
 scraper's settings with :func:`scraper_settings` and connects the endpoint notification
-sources with :func:`attach_sources`.
+sources with :func:`attach_sources`; the ``k8s-notification-source`` watches are
+epp/datalayer/notifications.py's.
 
 Precedence for the scrape URL, as in GIE: built-in default < ``--model-server-metrics-*``
 flag < the ``metrics-data-source`` parameter. The metric-name flags
@@ -23,19 +24,21 @@ from dataclasses import dataclass, replace
 from epp.datalayer.engines import EngineMappings, MappingOverrides
 from epp.datalayer.scraper import ScrapeOptions
 from epp.datastore.store import Datastore
-from epp.framework.interfaces import DataExtractor, DataSource, EndpointExtractor
+from epp.framework.interfaces import (
+    EVENT_ADD_OR_UPDATE,
+    EVENT_DELETE,
+    DataExtractor,
+    DataSource,
+    EndpointExtractor,
+)
 from epp.scheduling.plugins.datalayer import (
     CoreMetricsExtractor,
     EndpointNotificationSource,
-    K8sNotificationSource,
     MetricsDataSource,
 )
 from epp.scheduling.types import Endpoint
 
 log = logging.getLogger(__name__)
-
-EVENT_ADD_OR_UPDATE = "add-or-update"
-EVENT_DELETE = "delete"
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,8 @@ class SourceConfig:
 
     source: DataSource
     extractors: tuple[DataExtractor, ...] = ()
+    # "FILE: dataLayer.sources[i]" for errors found after loading ("" when injected).
+    where: str = ""
 
 
 @dataclass(frozen=True)
@@ -99,10 +104,6 @@ def attach_sources(data_layer: DataLayerConfig | None, store: Datastore) -> Call
     removal. Returns a function that disconnects them."""
     undo: list[Callable[[], None]] = []
     for entry in data_layer.sources if data_layer is not None else ():
-        if isinstance(entry.source, K8sNotificationSource) and entry.extractors:
-            log.warning("data layer: %s (k8s-notification-source, %s): watching arbitrary "
-                        "Kubernetes kinds is not implemented; its extractors get no events",
-                        entry.source.name, entry.source.gvk)
         if not isinstance(entry.source, EndpointNotificationSource):
             continue
         targets = [e for e in entry.extractors if isinstance(e, EndpointExtractor)]

@@ -16,6 +16,8 @@ Contract:
   transport failures (``aiohttp.ClientError``, ``OSError``, ``TimeoutError``).
 - :meth:`KubeApi.stream` opens a watch and yields decoded JSON lines until the server ends
   the stream; a non-2xx answer raises :class:`KubeApiError`.
+- :func:`find_resource` maps a kind to its resource (plural name, namespaced or not)
+  with API discovery, as client-go's REST mapper does.
 - No threads: kubernetes-asyncio's thread pool is only used for ``async_req`` calls,
   which this module never makes.
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +182,54 @@ class KubeApi:
                     yield event
         finally:
             resp.close()
+
+
+@dataclass(frozen=True)
+class ApiResource:
+    """A kind as the API server serves it (one ``APIResourceList`` entry)."""
+
+    group: str  # "" for the core group
+    version: str
+    kind: str
+    name: str  # the resource (plural), e.g. "pods"
+    namespaced: bool
+
+    def collection_path(self, namespace: str | None = None) -> str:
+        """The list/watch path: in ``namespace`` (namespaced kinds), else cluster-wide
+        (every namespace, for a namespaced kind)."""
+        base = f"/api/{self.version}" if not self.group else f"/apis/{self.group}/{self.version}"
+        if namespace and self.namespaced:
+            return f"{base}/namespaces/{namespace}/{self.name}"
+        return f"{base}/{self.name}"
+
+
+class KindNotServed(Exception):
+    """The API server does not serve the kind (its group/version, or the kind in it)."""
+
+
+async def find_resource(api: KubeApi, group: str, version: str, kind: str) -> ApiResource:
+    """Map a kind to its resource with API discovery (``GET /api/v1``,
+    ``GET /apis/GROUP/VERSION``), as client-go's REST mapper does.
+
+    Raises :class:`KindNotServed` when the group/version is not served (404) or does not
+    have the kind; :class:`KubeApiError` for another error status (403 …); transport
+    errors as :meth:`KubeApi.request`."""
+    path = f"/api/{version}" if not group else f"/apis/{group}/{version}"
+    status, data = await api.request("GET", path)
+    if status == 404:
+        raise KindNotServed(f"the API server does not serve {group or 'core'}/{version} "
+                            f"(GET {path}: 404)")
+    if not 200 <= status < 300 or not isinstance(data, dict):
+        raise KubeApiError(status, status_reason(data), path)
+    for res in data.get("resources") or []:
+        if (isinstance(res, dict) and res.get("kind") == kind
+                and "/" not in str(res.get("name", ""))):  # not a subresource
+            return ApiResource(group, version, kind, str(res["name"]),
+                               bool(res.get("namespaced")))
+    kinds = sorted({str(r.get("kind")) for r in data.get("resources") or []
+                    if isinstance(r, dict) and "/" not in str(r.get("name", ""))})
+    raise KindNotServed(f"no kind {kind!r} in {group or 'core'}/{version} (served: "
+                        f"{', '.join(kinds) or 'none'})")
 
 
 async def connect(kubeconfig: str | None = None, context: str | None = None) -> KubeApi:

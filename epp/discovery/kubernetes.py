@@ -22,10 +22,21 @@ watch supplies that node's labels (topology: rack, block, zone…). Without RBAC
 (LeaderWorkerSet group, Grove PodGang) that is not complete take no traffic
 (:mod:`epp.discovery.gangs`).
 
+In pool mode the source also watches the InferenceObjectives and InferenceModelRewrites
+of the pool's namespace (``inference.networking.x-k8s.io/v1alpha2``) that reference the
+pool — ``spec.poolRef.name`` is the pool's name and ``spec.poolRef.group`` (default
+``inference.networking.k8s.io``) is ``--pool-group``, GIE's reconciler predicate; an
+object being deleted (``metadata.deletionTimestamp``) counts as gone — into an
+:class:`~epp.datastore.objectives.ObjectiveStore`. Without the CRD (404) or without RBAC
+for it (403) there is nothing to watch: the store stays empty (every request has priority
+0, no rewrite), the source says so once and keeps retrying with backoff, so a CRD
+installed later is picked up. Standalone mode watches neither, as GIE.
+
 Writes go to the :class:`~epp.datastore.store.Datastore` through ``set_endpoints`` from
 one task, after a short debounce (``debounce_s``) so a burst of watch events costs one
 recomputation; an unchanged result is not written again. ``synced`` turns True after
-the first complete picture (pool, pods and nodes all listed) has been written.
+the first complete picture (pool, pods, nodes and, in pool mode, the objectives and
+model rewrites all listed, or found absent) has been written.
 """
 
 from __future__ import annotations
@@ -40,6 +51,14 @@ from types import MappingProxyType
 from typing import Any
 
 from epp import keys
+from epp.datastore.objectives import (
+    InvalidObject,
+    ModelRewrite,
+    Objective,
+    ObjectiveStore,
+    parse_object,
+    selects_pool,
+)
 from epp.datastore.store import Datastore
 from epp.discovery.gangs import GangTracker, pod_ready
 from epp.discovery.kubeclient import ACCEPT_METADATA, ACCEPT_METADATA_LIST, JsonObj, KubeApi
@@ -140,6 +159,11 @@ def pool_api_path(group: str, namespace: str) -> str:
         raise ConfigError(f"--pool-group {group!r}: expected {keys.K8S_POOL_GROUP} or "
                           f"{keys.K8S_POOL_GROUP_ALPHA}")
     return f"/apis/{group}/{version}/namespaces/{namespace}/{keys.K8S_POOL_PLURAL}"
+
+
+def objectives_api_path(plural: str, namespace: str) -> str:
+    """The collection path of InferenceObjectives or InferenceModelRewrites (``plural``)."""
+    return f"/apis/{keys.K8S_OBJECTIVE_API_VERSION}/namespaces/{namespace}/{plural}"
 
 
 class InvalidPool(ValueError):
@@ -286,10 +310,14 @@ class KubernetesSource:
     """
 
     def __init__(self, api: KubeApi, store: Datastore, options: KubernetesOptions,
-                 on_state_change: StateCallback | None = None) -> None:
+                 on_state_change: StateCallback | None = None,
+                 objectives: ObjectiveStore | None = None) -> None:
+        """``objectives``: where the pool's InferenceObjectives and InferenceModelRewrites
+        go (pool mode only; None: they are not watched)."""
         self.api = api
         self.store = store
         self.options = options
+        self.objectives = objectives
         self._on_state_change = on_state_change
         self.pool: PoolSpec | None = options.standalone
         self.synced = False
@@ -297,6 +325,9 @@ class KubernetesSource:
         self._pool_reflector: Reflector | None = None
         self._pods: Reflector | None = None
         self._nodes: Reflector | None = None
+        self._objective_reflectors: list[Reflector] = []  # objectives, then rewrites
+        self._objectives_dirty = False
+        self._absent: set[str] = set()  # reflector names already reported 404/403
         self._dirty = asyncio.Event()
         self.gangs = GangTracker(api, options.namespace, self._dirty.set, options.reflector)
         self._task: asyncio.Task[None] | None = None
@@ -333,6 +364,8 @@ class KubernetesSource:
                 field_selector=f"metadata.name={o.pool_name}", on_change=self._dirty.set,
                 options=o.reflector)
             self._pool_reflector.start()
+            if self.objectives is not None:
+                self._start_objectives()
         if o.watch_nodes:
             self._nodes = Reflector(self.api, "/api/v1/nodes", name="nodes",
                                     transform=node_labels, accept_list=ACCEPT_METADATA_LIST,
@@ -352,10 +385,11 @@ class KubernetesSource:
                 await task
             except asyncio.CancelledError:
                 pass
-        for r in (self._pool_reflector, self._pods, self._nodes):
+        for r in (self._pool_reflector, self._pods, self._nodes, *self._objective_reflectors):
             if r is not None:
                 await r.stop()
         self._pool_reflector = self._pods = self._nodes = None
+        self._objective_reflectors = []
         await self.gangs.stop()
 
     async def wait_ready(self, timeout: float) -> bool:
@@ -374,6 +408,68 @@ class KubernetesSource:
             label_selector=pool.selector_string() or None, transform=pod_info,
             on_change=self._dirty.set, options=self.options.reflector)
         self._pods.start()
+
+    def _start_objectives(self) -> None:
+        ns = self.options.namespace
+        for plural in (keys.K8S_OBJECTIVE_PLURAL, keys.K8S_MODEL_REWRITE_PLURAL):
+            r = Reflector(self.api, objectives_api_path(plural, ns), name=plural,
+                          transform=self._parse_objective_object,
+                          on_change=self._objectives_changed, options=self.options.reflector)
+            self._objective_reflectors.append(r)
+            r.start()
+
+    def _parse_objective_object(self, obj: JsonObj) -> Objective | ModelRewrite | None:
+        """The objective reflectors' cache transform, run once per object version: the
+        parsed object, or None when it does not count — being deleted (GIE: a
+        DeletionTimestamp is a delete), another pool's (GIE's reconciler predicate:
+        poolRef name and group), or unusable (logged)."""
+        meta = obj.get("metadata") or {}
+        if meta.get("deletionTimestamp"):
+            return None
+        o = self.options
+        assert o.pool_name is not None
+        try:
+            parsed = parse_object(obj, f"{meta.get('namespace', '')}/{meta.get('name', '')}",
+                                  strict=False)
+        except InvalidObject as e:
+            log.warning("ignored: %s", e)
+            return None
+        return parsed if selects_pool(parsed.pool_ref, o.pool_name, o.pool_group) else None
+
+    def _objectives_changed(self) -> None:
+        self._objectives_dirty = True
+        self._dirty.set()
+
+    def _sync_objectives(self) -> None:
+        """Copy the objective reflectors' caches to the store (after the debounce, so a
+        burst of events costs one copy)."""
+        if not self._objectives_dirty or self.objectives is None:
+            return
+        self._objectives_dirty = False
+        objectives, rewrites = self._objective_reflectors
+        self.objectives.replace_objectives(
+            x for x in objectives.objects.values() if isinstance(x, Objective))
+        self.objectives.replace_rewrites(
+            x for x in rewrites.objects.values() if isinstance(x, ModelRewrite))
+        for r in self._objective_reflectors:
+            self._report_absent(r)
+
+    def _report_absent(self, r: Reflector) -> None:
+        """Say once that a kind cannot be watched (CRD not installed, or no RBAC)."""
+        if not (r.not_found or r.forbidden):
+            self._absent.discard(r.name)
+            return
+        if r.name in self._absent:
+            return
+        self._absent.add(r.name)
+        if r.not_found:
+            log.warning("%s: the CRD (%s) is not installed: none are used (every request "
+                        "has priority 0, no model rewrite); retrying with backoff",
+                        r.name, keys.K8S_OBJECTIVE_API_VERSION)
+        else:
+            log.warning("cannot list %s (403 Forbidden): none are used; grant get/list/"
+                        "watch on %s (group %s) to the EPP's service account", r.name,
+                        r.name, keys.K8S_OBJECTIVE_API_VERSION.split("/")[0])
 
     def _current_pool(self) -> PoolSpec | None:
         """The pool as the pool reflector sees it now (None: absent or unusable)."""
@@ -407,6 +503,7 @@ class KubernetesSource:
             await self._reconcile()
 
     async def _reconcile(self) -> None:
+        self._sync_objectives()
         if self._pool_reflector is not None:
             if not self._pool_reflector.synced:
                 return
@@ -430,6 +527,9 @@ class KubernetesSource:
             log.warning("cannot list Nodes (403 Forbidden): endpoints carry no node "
                         "topology labels; grant get/list/watch on nodes to enable them")
         if nodes is not None and not (nodes.synced or nodes.forbidden):
+            return
+        if not self.synced and not all(r.synced or r.not_found or r.forbidden
+                                       for r in self._objective_reflectors):
             return
         if self.pool is not None and (self._pods is None or not self._pods.synced):
             return

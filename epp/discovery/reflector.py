@@ -16,6 +16,12 @@ Protocol, as the API server defines it:
 
 The cache maps ``namespace/name`` to ``transform(object)``; ``on_change()`` is called
 (synchronously, must not raise) after every list and every event that changed the cache.
+``on_event(type, key, value)``, when given, hears each object change (synchronously, must
+not raise, before ``on_change``): ``ADDED``/``MODIFIED`` with the new cached value,
+``DELETED`` with the object's final state (after a relist: its last cached value). A
+list reports what changed since the cache it replaced: every object at the first list;
+after a relist the objects that are new, differ or are gone (what a controller-runtime
+watch filtered on changed resourceVersions delivers).
 One asyncio task per reflector, owned by :meth:`start`/:meth:`stop`; no threads.
 """
 
@@ -35,6 +41,9 @@ from epp.discovery.kubeclient import JsonObj, KubeApi, KubeApiError, status_reas
 
 log = logging.getLogger(__name__)
 
+#: ``on_event(type, key, value)``: ``ADDED``, ``MODIFIED`` or ``DELETED``.
+EventCallback = Callable[[str, str, Any], None]
+
 
 @dataclass(frozen=True)
 class ReflectorOptions:
@@ -48,6 +57,9 @@ class ReflectorOptions:
     # A watch that ends cleanly sooner than this counts as a failure (backoff), so a
     # server that closes every stream at once is not hammered.
     min_healthy_watch_s: float = 1.0
+
+
+_ABSENT = object()  # not in the cache
 
 
 class _Gone(Exception):
@@ -77,13 +89,15 @@ class Reflector:
                  label_selector: str | None = None, field_selector: str | None = None,
                  transform: Callable[[JsonObj], Any] | None = None,
                  accept_list: str | None = None, accept_watch: str | None = None,
-                 options: ReflectorOptions = ReflectorOptions()) -> None:
+                 options: ReflectorOptions = ReflectorOptions(),
+                 on_event: EventCallback | None = None) -> None:
         self.api = api
         self.path = path
         self.name = name
         self.label_selector = label_selector
         self.field_selector = field_selector
         self._on_change = on_change
+        self._on_event = on_event
         self._transform = transform or (lambda o: o)
         self._accept_list = accept_list
         self._accept_watch = accept_watch
@@ -147,12 +161,29 @@ class Reflector:
             cont = str(meta.get("continue") or "")
             if not cont:
                 break
+        old = self.objects
         self.objects = items
         self.resource_version = rv
         self.synced = True
         self.lists += 1
         log.debug("%s: listed %d objects at resourceVersion %s", self.name, len(items), rv)
+        if self._on_event is not None:
+            self._report_list(old, items, self._on_event)
         self._on_change()
+
+    @staticmethod
+    def _report_list(old: Mapping[str, Any], new: Mapping[str, Any],
+                     on_event: EventCallback) -> None:
+        """The changes a (re)list made to the cache, as events."""
+        for key, value in new.items():
+            before = old.get(key, _ABSENT)
+            if before is _ABSENT:
+                on_event("ADDED", key, value)
+            elif before != value:
+                on_event("MODIFIED", key, value)
+        for key, value in old.items():
+            if key not in new:
+                on_event("DELETED", key, value)
 
     async def _watch(self) -> None:
         lo, hi = self.options.watch_timeout_s
@@ -187,13 +218,16 @@ class Reflector:
             return
         key = object_key(obj)
         if etype in ("ADDED", "MODIFIED"):
-            self.objects[key] = self._transform(obj)
+            value = self.objects[key] = self._transform(obj)
         elif etype == "DELETED":
             self.objects.pop(key, None)
+            value = self._transform(obj)
         else:
             raise _WatchError(f"unknown watch event type {etype!r}")
         if rv:
             self.resource_version = str(rv)
+        if self._on_event is not None:
+            self._on_event(etype, key, value)
         self._on_change()
 
     async def _run(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from epp.scheduling.types import (
@@ -188,6 +189,83 @@ class ResponseUsageMetadata(Plugin, Protocol):
         ...
 
 
+# --- request control around scheduling (GIE's PrepareDataPlugin and AdmissionPlugin) and
+# the measured response (what GIE's per-chunk ResponseBody hooks compute) ---
+
+#: GIE's budget for all PrepareData plugins of one request together (director.go
+#: ``prepareDataTimeout``): past it they are cancelled and scheduling goes on without them.
+PREPARE_DATA_TIMEOUT_S = 0.4
+
+
+@runtime_checkable
+class PrepareDataPlugin(Plugin, Protocol):
+    """Produces per-request data before scheduling (GIE's ``PrepareDataPlugin``).
+
+    Called once per request by the scheduling core, after the candidates are known and
+    before admission and scheduling, in declaration order, within
+    :data:`PREPARE_DATA_TIMEOUT_S` for all of them together. It may do I/O (the latency
+    predictor's sidecar): a coroutine that never awaits anything runs without suspending.
+    What it produces goes in ``request.plugin_state``. When the budget runs out the call
+    is cancelled; an exception is logged and the remaining ones are skipped — either
+    way the request is scheduled (GIE: "Don't fail the request if PrepareData plugins
+    fail")."""
+
+    async def prepare_request_data(self, request: LLMRequest,
+                                   endpoints: Sequence[Endpoint]) -> None: ...
+
+
+@runtime_checkable
+class AdmissionPlugin(Plugin, Protocol):
+    """May refuse a request before it is scheduled (GIE's ``AdmissionPlugin``): called
+    after the PrepareData plugins, in declaration order; the first refusal answers the
+    request with GIE's error (500, "request cannot be admitted")."""
+
+    def admit_request(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> str | None:
+        """None admits; a string refuses, naming why (logged)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseTimings:
+    """What the protocol front measured of one response whose body it saw (GIE's
+    ResponseBody hooks see the same, chunk by chunk). Seconds, from the decision.
+
+    ``seconds``: to the end of the response. ``ttft``: to the first body chunk of a
+    streamed (SSE) 2xx response, else None. ``tpot``: for such a response with more than
+    one completion token in its usage, (end − first chunk) / (tokens − 1), else None.
+    ``output_tokens``: the usage's completion tokens, None when not reported."""
+
+    status: int
+    seconds: float
+    ttft: float | None = None
+    tpot: float | None = None
+    output_tokens: int | None = None
+
+
+@runtime_checkable
+class ResponseMeasured(Plugin, Protocol):
+    """Learns from a finished response (the latency predictor trains on it).
+
+    Called once per routed request whose response ended (not aborted) and whose body the
+    EPP saw (GIE's gateway shape; declare :class:`NeedsResponse` with ``"body"``), just
+    before the :class:`ResponseComplete` plugins."""
+
+    def response_measured(self, request: LLMRequest, endpoint_key: str,
+                          timings: ResponseTimings) -> None: ...
+
+
+@runtime_checkable
+class BackgroundPlugin(Plugin, Protocol):
+    """A plugin with background work (e.g. the latency predictor's sidecar client: its
+    HTTP session, periodic flushes). ``epp serve`` awaits ``start_background`` once the
+    ports are up and ``stop_background`` at shutdown; a plugin used without a server
+    (tests, ``epp check-config``) must work without either being called."""
+
+    async def start_background(self) -> None: ...
+
+    async def stop_background(self) -> None: ...
+
+
 # --- data layer (the config's ``dataLayer.sources``; epp/datalayer/config.py) ---
 
 #: What a data source produces and an extractor consumes (GIE checks the Go types).
@@ -211,12 +289,77 @@ class DataExtractor(Plugin, Protocol):
     data_input: str  # one of the DATA_* kinds
 
 
+#: The two notification events (GIE's ``EventAddOrUpdate`` and ``EventDelete``).
+EVENT_ADD_OR_UPDATE = "add-or-update"
+EVENT_DELETE = "delete"
+
+
 @runtime_checkable
 class EndpointExtractor(DataExtractor, Protocol):
     """Reads ``endpoint-notification-source`` events: an endpoint joined the pool (or
     changed) — ``"add-or-update"`` — or left it — ``"delete"``."""
 
     def extract_endpoint(self, event: str, endpoint: Endpoint) -> None: ...
+
+
+def gvk_string(group: str, version: str, kind: str) -> str:
+    """A Kubernetes GroupVersionKind as Go's ``GroupVersionKind.String()`` writes it:
+    ``apps/v1, Kind=Deployment``; ``/v1, Kind=Pod`` for the core group."""
+    return f"{group}/{version}, Kind={kind}"
+
+
+@runtime_checkable
+class NotificationExtractor(DataExtractor, Protocol):
+    """Reads ``k8s-notification-source`` events (GIE's ``NotificationExtractor``), with
+    ``data_input = DATA_K8S_NOTIFICATIONS``.
+
+    ``gvk`` (:func:`gvk_string`) is the kind it handles: it must be its source's.
+    ``extract_notification`` is called in event order, from the event loop, for each
+    object of that kind created or changed — ``"add-or-update"``, with the object as the
+    API server's JSON (a dict) — and deleted — ``"delete"``, with its last known state
+    (GIE promises only ``metadata.name`` and ``metadata.namespace`` there). The dict is a
+    copy the source's extractors share: read it, keep it, do not change it. An exception
+    is logged and the next extractor still runs.
+    """
+
+    @property
+    def gvk(self) -> str: ...
+
+    def extract_notification(self, event: str, obj: dict[str, Any]) -> None: ...
+
+
+# --- data dependencies (GIE's ProducerPlugin / ConsumerPlugin; checked at config load by
+# epp/datalayer/dependencies.py) ---
+
+#: GIE v1.5.0's data keys: the endpoint attributes its plugins produce and consume. The
+#: type names are what GIE compares (a key produced as one type and consumed as another
+#: fails the config).
+DATA_KEY_PREFIX_CACHE_MATCH_INFO = "PrefixCacheMatchInfoKey"  # PrefixCacheMatchInfo
+DATA_KEY_IN_FLIGHT_LOAD = "InFlightLoadKey"  # InFlightLoad
+DATA_KEY_LATENCY_PREDICTION_INFO = "LatencyPredictionInfoKey"  # LatencyPredictionInfo
+DATA_KEY_KV_CACHE_USAGE_PERCENT = "KVCacheUsagePercent"  # float64
+DATA_KEY_WAITING_QUEUE_SIZE = "WaitingQueueSize"  # int
+DATA_KEY_RUNNING_REQUESTS_SIZE = "RunningRequestsSize"  # int
+DATA_KEY_ACTIVE_MODELS = "ActiveModels"  # map[string]int
+DATA_KEY_WAITING_MODELS = "WaitingModels"  # map[string]int
+
+
+@runtime_checkable
+class ProducesData(Plugin, Protocol):
+    """A plugin that produces data other plugins read (GIE's ``ProducerPlugin``):
+    ``produces`` maps each data key to the name of its type."""
+
+    @property
+    def produces(self) -> Mapping[str, str]: ...
+
+
+@runtime_checkable
+class ConsumesData(Plugin, Protocol):
+    """A plugin that reads data other plugins produce (GIE's ``ConsumerPlugin``):
+    ``consumes`` maps each data key to the name of the type it expects."""
+
+    @property
+    def consumes(self) -> Mapping[str, str]: ...
 
 
 @runtime_checkable

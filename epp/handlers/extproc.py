@@ -12,6 +12,13 @@ trailers answer if trailers came. Any other request body mode is handled as BUFF
 headers are answered at once and the routing goes in the body answer. Header-only
 requests (end_of_stream on the headers) are routed from the headers alone.
 
+Responses (GIE's pkg/epp/handlers/response.go, server.go): the response-headers answer
+always sets ``x-went-into-resp-headers: true`` (plus any headers plugins set); body chunks
+are echoed (full duplex) or continued. When the response ends — the end-of-stream body
+chunk, or the trailers of a gRPC response — the ``response_metadata`` hook is asked once,
+and its dynamic metadata (e.g. ``request-attribute-reporter``'s ``envoy.lb`` cost) rides
+on the answer to that last message; no other answer carries any.
+
 A rejection is one ImmediateResponse with a JSON error body, after which the stream ends.
 An exception inside the handler becomes a 500 before routing, and is logged and passed
 over after it: a stream never crashes.
@@ -38,7 +45,7 @@ from google.protobuf.struct_pb2 import Struct
 
 from epp import keys
 from epp.errors import BadRequest, BodyTooLarge, EppError
-from epp.handlers.protocol import RequestDirector, Routing
+from epp.handlers.protocol import DynamicMetadata, RequestDirector, ResponseMetadata, Routing
 
 log = logging.getLogger(__name__)
 
@@ -128,15 +135,37 @@ def _streamed_chunks(body: bytes, phase: str) -> list[pb.ProcessingResponse]:
         start = end
 
 
-def echo_response(body: bytes, end_of_stream: bool) -> pb.ProcessingResponse:
-    """A full-duplex response body answer carrying ``body``."""
-    return pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
+def echo_response(body: bytes, end_of_stream: bool,
+                  metadata: Struct | None = None) -> pb.ProcessingResponse:
+    """A full-duplex response body answer carrying ``body`` (and ``metadata``, if any)."""
+    resp = pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
         body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
             body=body, end_of_stream=end_of_stream)))))
+    if metadata is not None:
+        resp.dynamic_metadata.CopyFrom(metadata)
+    return resp
 
+
+def _with_metadata(resp: pb.ProcessingResponse, metadata: Struct | None) -> pb.ProcessingResponse:
+    """``resp`` with ``metadata`` attached (a copy: ``resp`` may be a shared constant)."""
+    if metadata is None:
+        return resp
+    out = pb.ProcessingResponse()
+    out.CopyFrom(resp)
+    out.dynamic_metadata.CopyFrom(metadata)
+    return out
+
+
+# GIE's EPP sets this on every response whose headers it processes (pkg/epp/handlers/
+# response.go, generateResponseHeaders: "for debugging purpose only"); gateways and clients
+# built against GIE may look for it.
+HEADER_WENT_INTO_RESP_HEADERS = "x-went-into-resp-headers"
+_WENT_INTO_RESP_HEADERS = _set_header(HEADER_WENT_INTO_RESP_HEADERS, "true")
 
 _EMPTY_REQ_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
-_EMPTY_RESP_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+_RESP_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse(
+    response=pb.CommonResponse(header_mutation=pb.HeaderMutation(
+        set_headers=[_WENT_INTO_RESP_HEADERS]))))
 _EMPTY_REQ_TRAILERS = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
 _EMPTY_RESP_TRAILERS = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
 _CONTINUE_RESP_BODY = pb.ProcessingResponse(response_body=pb.BodyResponse())
@@ -157,10 +186,12 @@ class ExtProcStream:
         "_lean",
         "_max_body",
         "_max_headers",
+        "_metadata",
         "_resp_duplex",
         "_resp_len",
         "_resp_seen",
         "_resp_started",
+        "_response_metadata",
         "_routed",
         "_routing",
         "_size",
@@ -171,11 +202,16 @@ class ExtProcStream:
     )
 
     def __init__(self, director: RequestDirector, max_body_bytes: int,
-                 token: str | None = None, max_headers: int = DEFAULT_MAX_HEADERS) -> None:
+                 token: str | None = None, max_headers: int = DEFAULT_MAX_HEADERS,
+                 response_metadata: ResponseMetadata | None = None) -> None:
         """``token``: the response comes on a separate observer stream that will carry
         this token (split response path); it is set on the routed request.
-        ``max_headers``: the gateway's request header limit (0 = do not check)."""
+        ``max_headers``: the gateway's request header limit (0 = do not check).
+        ``response_metadata``: asked once when the response ends; what it returns goes to
+        Envoy as dynamic metadata on the answer to the last response message."""
         self._director = director
+        self._response_metadata = response_metadata
+        self._metadata: Struct | None = None  # computed at the end, not yet sent
         self._max_body = max_body_bytes
         self._max_headers = max_headers
         self._header_count = 0
@@ -217,8 +253,10 @@ class ExtProcStream:
             if kind == "response_body":
                 return self._on_response_body(msg.response_body)
             if kind == "response_trailers":
+                # gRPC: the trailers end the response (GIE's finishResponse); the body went
+                # back already, so the metadata rides on this answer.
                 self._report_done(aborted=False)
-                return [_EMPTY_RESP_TRAILERS]
+                return [_with_metadata(_EMPTY_RESP_TRAILERS, self.take_metadata())]
         except EppError as e:
             return self._reject(e.status, e.message, e.error_type)
         except Exception:
@@ -384,7 +422,7 @@ class ExtProcStream:
 
     def _on_response_headers(self, h: pb.HttpHeaders) -> Sequence[pb.ProcessingResponse]:
         if self._routing is None:
-            return [_EMPTY_RESP_HEADERS]
+            return [_RESP_HEADERS]
         headers = _headers_dict(h.headers)
         try:
             status = int(headers.get(keys.HEADER_STATUS, "0"))
@@ -398,10 +436,12 @@ class ExtProcStream:
         if h.end_of_stream:
             self._report_done(aborted=False)
         if not extra:
-            return [_EMPTY_RESP_HEADERS]
-        return [pb.ProcessingResponse(response_headers=pb.HeadersResponse(
+            return [_with_metadata(_RESP_HEADERS, self.take_metadata())]
+        sets = [_WENT_INTO_RESP_HEADERS]
+        sets += [_set_header(k, v) for k, v in extra.items()]
+        return [_with_metadata(pb.ProcessingResponse(response_headers=pb.HeadersResponse(
             response=pb.CommonResponse(header_mutation=pb.HeaderMutation(
-                set_headers=[_set_header(k, v) for k, v in extra.items()]))))]
+                set_headers=sets)))), self.take_metadata())]
 
     @property
     def lean(self) -> bool:
@@ -442,15 +482,19 @@ class ExtProcStream:
 
     def _response_body_reply(self, b: pb.HttpBody,
                              replaced: bytes | None) -> Sequence[pb.ProcessingResponse]:
-        """Pass a response body chunk on (echoed in full duplex), ``replaced`` if given."""
+        """Pass a response body chunk on (echoed in full duplex), ``replaced`` if given;
+        the last one carries the response's dynamic metadata, if any."""
+        md = None
         if b.end_of_stream:
             self._report_done(aborted=False)
+            md = self.take_metadata()
         if self._resp_duplex:
-            return [echo_response(b.body if replaced is None else replaced, b.end_of_stream)]
+            return [echo_response(b.body if replaced is None else replaced, b.end_of_stream,
+                                  md)]
         if replaced is None:
-            return [_CONTINUE_RESP_BODY]
-        return [pb.ProcessingResponse(response_body=pb.BodyResponse(
-            response=pb.CommonResponse(body_mutation=pb.BodyMutation(body=replaced))))]
+            return [_with_metadata(_CONTINUE_RESP_BODY, md)]
+        return [_with_metadata(pb.ProcessingResponse(response_body=pb.BodyResponse(
+            response=pb.CommonResponse(body_mutation=pb.BodyMutation(body=replaced)))), md)]
 
     def _passthrough(self, msg: pb.ProcessingRequest, kind: str | None) -> Sequence[pb.ProcessingResponse]:
         """After routing, a failing callback must not break the response: pass it on."""
@@ -459,9 +503,9 @@ class ExtProcStream:
         if kind == "response_headers":
             if msg.response_headers.end_of_stream:
                 self._report_done(aborted=False)
-            return [_EMPTY_RESP_HEADERS]
+            return [_with_metadata(_RESP_HEADERS, self.take_metadata())]
         if kind == "response_trailers":
-            return [_EMPTY_RESP_TRAILERS]
+            return [_with_metadata(_EMPTY_RESP_TRAILERS, self.take_metadata())]
         if kind == "request_trailers":
             return [_EMPTY_REQ_TRAILERS]
         return [_EMPTY_REQ_HEADERS]
@@ -486,6 +530,18 @@ class ExtProcStream:
                 self._aborted = verdict
         except Exception:
             log.exception("director on_done failed")
+        # (On the split response path nothing can be sent back: not computed.)
+        if self._response_metadata is not None and not self._aborted and self.token is None:
+            try:
+                self._metadata = _struct(self._response_metadata(self._routing.context))
+            except Exception:
+                log.exception("computing the response's dynamic metadata failed; none sent")
+
+    def take_metadata(self) -> Struct | None:
+        """The response's dynamic metadata, once (None: none, or sent already)."""
+        md = self._metadata
+        self._metadata = None
+        return md
 
     def finish(self, clean: bool = False) -> str:
         """The gRPC stream ended; a routed request without a complete response was aborted.
@@ -516,6 +572,14 @@ class ExtProcStream:
         return "aborted" if self._aborted or not self._done_reported else "completed"
 
 
+def _struct(metadata: DynamicMetadata | None) -> Struct | None:
+    if not metadata:
+        return None
+    md = Struct()
+    md.update({ns: dict(fields) for ns, fields in metadata.items()})
+    return md
+
+
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     """Binds :class:`ExtProcStream` to grpc.aio bidirectional streams.
 
@@ -537,11 +601,14 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                  on_stream_end: Callable[[str], None] | None = None,
                  observer_grace_s: float = 5.0, observer_supported: bool = True,
                  max_headers: int = DEFAULT_MAX_HEADERS,
-                 body_consumers: Sequence[str] = ()) -> None:
+                 body_consumers: Sequence[str] = (),
+                 response_metadata: ResponseMetadata | None = None) -> None:
         """``body_consumers``: names of configured plugins that need response bodies
         (``response_needs`` contains ``"body"``); the first lean-shape stream warns that
-        the gateway cannot feed them."""
+        the gateway cannot feed them. ``response_metadata``: see :class:`ExtProcStream`
+        (not on the split response path: the observer stream cannot answer)."""
         self._director = director
+        self._response_metadata = response_metadata
         self._max_headers = max_headers
         self._body_consumers = tuple(body_consumers)
         self._lean_noted = False
@@ -576,7 +643,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                             "each request ends (as aborted) with its routing stream and "
                             "response usage is not counted")
         stream: ExtProcStream | None = ExtProcStream(self._director, self._max_body, token,
-                                                          self._max_headers)
+                                                     self._max_headers,
+                                                     self._response_metadata)
         clean = False
         read, write, eof = context.read, context.write, grpc.aio.EOF
         try:
@@ -683,8 +751,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 if kind not in _RESPONSE_KINDS:
                     continue
                 out = await target.handle(msg)
+                # (Beyond x-went-into-resp-headers, which every answer sets.)
                 if kind == "response_headers" and not self._warned_dropped_headers and out \
-                        and out[0].response_headers.response.HasField("header_mutation"):
+                        and len(out[0].response_headers.response.header_mutation
+                                .set_headers) > 1:
                     self._warned_dropped_headers = True
                     log.warning("response headers set by plugins (e.g. a session token, "
                                 "x-epp-explain) cannot reach clients on the split response "
@@ -756,7 +826,7 @@ async def _echo(stream: ExtProcStream, read: Callable[[], Any],
                 last = b.end_of_stream
             if parts:
                 await write(echo_response(parts[0] if len(parts) == 1 else b"".join(parts),
-                                          last))
+                                          last, stream.take_metadata() if last else None))
             if not queue:
                 continue
             # ... then anything else (trailers, the end, an error), in order.

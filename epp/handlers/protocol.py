@@ -6,9 +6,19 @@ implements :class:`RequestDirector` and returns :class:`Routing` values.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
+
+#: Envoy dynamic metadata, ``{namespace: {key: value}}`` (each namespace must be one the
+#: gateway's ext_proc filter accepts: ``metadata_options.receiving_namespaces``).
+DynamicMetadata: TypeAlias = Mapping[str, Mapping[str, Any]]
+
+#: What the handler asks once per routed request whose response ended (not for an aborted
+#: stream), after :meth:`RequestDirector.on_done`, with the request's ``Routing.context``:
+#: dynamic metadata to send to Envoy with the last response message, or None (GIE's
+#: ``reqCtx.Response.DynamicMetadata``, e.g. from ``request-attribute-reporter``).
+ResponseMetadata: TypeAlias = Callable[[Any], DynamicMetadata | None]
 
 
 @dataclass(slots=True)

@@ -4,7 +4,8 @@ GIE v1.5.0's EPP defines 37 metrics (pkg/epp/metrics/metrics.go and
 pkg/epp/metrics/collectors/inference_pool.go); :class:`EppMetrics` registers the ones this
 EPP can record with GIE's names, types, help texts, label names and buckets, plus the
 project's own (``epp_`` prefix). docs/observability.md lists which GIE metrics are not
-exported and why (the latency predictor's, flow control's).
+exported and why; GIE's flow-control series are registered by :meth:`EppMetrics.flow_control`
+when flow control is on.
 
 No module-level registry: each :class:`EppMetrics` owns a ``CollectorRegistry``, so tests
 and several servers in one process do not collide. Pool-level gauges are computed from the
@@ -16,7 +17,7 @@ the labelled children it uses (``labels()`` costs about a microsecond; a dict hi
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Final, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -24,7 +25,11 @@ from prometheus_client.registry import Collector
 
 from epp import __version__, keys
 from epp.datastore.store import Datastore
+from epp.flowcontrol.metrics import FlowControlMetrics
 from epp.framework.interfaces import Plugin
+from epp.latency.types import TYPE_TPOT as LATENCY_TPOT
+from epp.latency.types import TYPE_TTFT as LATENCY_TTFT
+from epp.latency.types import LatencyOutcome
 from epp.observability.observer import Observer, ResponseStats
 from epp.parsing.usage import Usage
 from epp.scheduling.plugins.roles import endpoint_role
@@ -53,22 +58,48 @@ INPUT_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 
                        65536, 131072, 262144, 524288, 1048576)
 OUTPUT_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 NTPOT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+# GIE's predictionLatencyBuckets: how long a latency prediction took, 100 µs to 5 s.
+PREDICTION_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5,
+                      1.0, 2.0, 5.0)
 SCHEDULER_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 HIT_RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 HIT_BYTES_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 
-# The ``priority`` label of inference_objective_request_total: the InferenceObjective's
-# priority, 0 when the request names none (GIE's Director.getInferenceObjective). This EPP
-# does not read InferenceObjective resources, so every request has GIE's default.
-DEFAULT_PRIORITY = "0"
+# The ``priority`` label of inference_objective_request_total is the request's
+# LLMRequest.priority: its InferenceObjective's priority, 0 when it names none (GIE's
+# Director.getInferenceObjective; epp/datastore/objectives.py).
 
 # scheduler_attempts_total ``status`` values (GIE's SchedulerStatusSuccess / Failure).
 SCHEDULER_SUCCESS = "success"
 SCHEDULER_FAILURE = "failure"
 
 # inference_objective_inference_request_metric ``type`` values this EPP sets.
+# inference_objective_request_error_total's error_code: GIE's canonical error codes
+# (pkg/common/error), not HTTP statuses. An error the EPP answered is named by the status
+# it answered with; a model-server response that is not a success is ModelServerError
+# (GIE means to record that too, but compares the header "status" where Envoy sends
+# ":status", so its Go build rarely does).
+GIE_ERROR_CODES: Final = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden",
+                          404: "NotFound", 413: "BadRequest", 429: "ResourceExhausted",
+                          500: "Internal", 503: "ServiceUnavailable"}
+ERROR_CODE_UNKNOWN: Final = "Unknown"
+ERROR_CODE_MODEL_SERVER: Final = "ModelServerError"
+
+
+def gie_error_code(status: int) -> str:
+    """GIE's error code for an error the EPP answered with HTTP ``status``."""
+    return GIE_ERROR_CODES.get(status, ERROR_CODE_UNKNOWN)
+
+
 TYPE_TTFT = "ttft"
 TYPE_TPOT = "tpot"
+# … and those the latency-predictor plugins set (GIE's typePredictedTTFT, …).
+TYPE_PREDICTED_TTFT = "predicted_ttft"
+TYPE_PREDICTED_TPOT = "predicted_tpot"
+TYPE_TTFT_PREDICTION_DURATION = "ttft_prediction_duration"
+TYPE_TPOT_PREDICTION_DURATION = "tpot_prediction_duration"
+TYPE_TTFT_SLO_VIOLATION = "ttft_slo_violation"
+TYPE_TPOT_SLO_VIOLATION = "tpot_slo_violation"
 
 _M = TypeVar("_M", Counter, Gauge, Histogram)
 
@@ -239,6 +270,28 @@ class EppMetrics:
             _alpha("Inference objective latency divided by number of output tokens in "
                    "seconds for each model and target model."), model,
             buckets=NTPOT_BUCKETS, registry=r)
+        # --- GIE: the latency predictor's (recorded from what the predicted-latency
+        # plugins leave in the request's plugin_state: MetricsObserver) ---
+        self.request_predicted_ttft = Histogram(
+            "inference_objective_request_predicted_ttft_seconds",
+            _alpha("Inference model Predicted TTFT distribution in seconds for each model and "
+                   "target model."), model, buckets=GENERAL_LATENCY_BUCKETS, registry=r)
+        self.request_ttft_prediction_duration = Histogram(
+            "inference_objective_request_ttft_prediction_duration_seconds",
+            _alpha("Duration taken to generate TTFT predictions in seconds for each model and "
+                   "target model."), model, buckets=PREDICTION_BUCKETS, registry=r)
+        self.request_predicted_tpot = Histogram(
+            "inference_objective_request_predicted_tpot_seconds",
+            _alpha("Inference model Predicted TPOT distribution in seconds for each model and "
+                   "target model."), model, buckets=TPOT_BUCKETS, registry=r)
+        self.request_tpot_prediction_duration = Histogram(
+            "inference_objective_request_tpot_prediction_duration_seconds",
+            _alpha("Duration taken to generate TPOT predictions in seconds for each model and "
+                   "target model."), model, buckets=PREDICTION_BUCKETS, registry=r)
+        self.slo_violations = Counter(
+            "inference_objective_request_slo_violation_total",
+            _alpha("Counter of SLO violations for each model, target model, and violation "
+                   "type."), [*model, "type"], registry=r)
         # --- GIE: scheduling ---
         self.scheduler_e2e = Histogram(
             "inference_extension_scheduler_e2e_duration_seconds",
@@ -274,6 +327,7 @@ class EppMetrics:
             "inference_extension_model_rewrite_decisions_total",
             _alpha("Total number of inference model rewrite decisions."),
             ["model_rewrite_name", "model_name", "target_model"], registry=r)
+        self._model_rewrites = _Children(self.model_rewrite_decisions)
         # --- the project's own ---
         self.pd_decisions = Counter(
             "epp_pd_decisions_total",
@@ -293,6 +347,22 @@ class EppMetrics:
         self.gangs = GangCollector()
         r.register(self.gangs)
         self._plugin_children: dict[tuple[str, int], Histogram] = {}
+        self._flow_control: FlowControlMetrics | None = None
+
+    def flow_control(self) -> FlowControlMetrics:
+        """GIE's six flow-control series (``inference_extension_flow_control_*``,
+        epp/flowcontrol/metrics.py) on this registry, labelled with this pool's name;
+        registered on the first call, which the server makes only under the
+        ``flowControl`` feature gate (without it nothing records them)."""
+        if self._flow_control is None:
+            self._flow_control = FlowControlMetrics(self.registry, self.pool_name)
+        return self._flow_control
+
+    def record_model_rewrite(self, rewrite_name: str, model: str, target: str) -> None:
+        """An InferenceModelRewrite rule chose ``target`` for a request for ``model``
+        (GIE's RecordInferenceModelRewriteDecision, called where GIE's Director applies
+        the rewrite: before admission and scheduling, whatever their outcome)."""
+        self._model_rewrites.get(rewrite_name, model, target).inc()
 
     def track_prefix_index_size(self, size: Callable[[], float]) -> None:
         """Report the prefix index size at scrape time (no per-request cost)."""
@@ -345,6 +415,14 @@ class MetricsObserver(Observer):
         self._ttft = _Children(m.request_ttft)
         self._tpot = _Children(m.request_tpot)
         self._request_metric = _Children(m.request_metric)
+        self._predicted_ttft = _Children(m.request_predicted_ttft)
+        self._predicted_tpot = _Children(m.request_predicted_tpot)
+        self._prediction_durations = {
+            LATENCY_TTFT: (_Children(m.request_ttft_prediction_duration),
+                           TYPE_TTFT_PREDICTION_DURATION),
+            LATENCY_TPOT: (_Children(m.request_tpot_prediction_duration),
+                           TYPE_TPOT_PREDICTION_DURATION)}
+        self._slo_violations = _Children(m.slo_violations)
 
     def scheduled(self, request: LLMRequest, result: SchedulingResult, seconds: float) -> None:
         m = self.metrics
@@ -363,6 +441,7 @@ class MetricsObserver(Observer):
         m = self.metrics
         state = request.plugin_state
         if state:
+            self._record_prediction_durations(request)
             hit = state.get(keys.PLUGIN_STATE_PREFIX_HIT_RATIO)
             if hit is not None:
                 m.prefix_hit_ratio.observe(hit)
@@ -372,14 +451,16 @@ class MetricsObserver(Observer):
         if self._classify is not None:
             m.pd_decisions.labels(self._classify(result)).inc()
         model, target = request.incoming_model, request.target_model
-        self._total.get(model, target, DEFAULT_PRIORITY).inc()
+        self._total.get(model, target, str(request.priority)).inc()
         self._request_sizes.get(model, target).observe(request.request_size_bytes)
         if model:  # as GIE: no running-requests series for an empty model name
             self._running.get(model).inc()
 
     def failed(self, request: LLMRequest, status: int, message: str | None) -> None:
+        if request.plugin_state:
+            self._record_prediction_durations(request)
         self.metrics.request_error_total.labels(
-            request.incoming_model, request.target_model, str(status)).inc()
+            request.incoming_model, request.target_model, gie_error_code(status)).inc()
 
     def responded(self, request: LLMRequest, status: int, response: ResponseStats) -> None:
         model, target = request.incoming_model, request.target_model
@@ -394,6 +475,8 @@ class MetricsObserver(Observer):
     def completed(self, request: LLMRequest, status: int, aborted: bool,
                   usage: Usage | None, seconds: float) -> None:
         model, target = request.incoming_model, request.target_model
+        if request.plugin_state:
+            self._record_latency_outcome(request)
         if model:
             self._running.get(model).dec()
         if not aborted and 200 <= status < 300:
@@ -410,4 +493,50 @@ class MetricsObserver(Observer):
                 if usage.cached_tokens is not None:
                     self._cached.get(model, target).observe(usage.cached_tokens)
         elif status >= 400:
-            self.metrics.request_error_total.labels(model, target, str(status)).inc()
+            self.metrics.request_error_total.labels(model, target, ERROR_CODE_MODEL_SERVER).inc()
+
+    # --- the latency predictor's metrics (GIE records them in its predicted-latency
+    # plugins; here the plugins leave them in plugin_state: epp/latency/types.py) ---
+
+    def _record_prediction_durations(self, request: LLMRequest) -> None:
+        """How long the request's predictions took (GIE's
+        RecordRequestTTFTPredictionDuration / …TPOT…, and the gauge's
+        ``*_prediction_duration`` types), once each."""
+        durations = request.plugin_state.pop(keys.PLUGIN_STATE_LATENCY_DURATIONS, None)
+        if not durations:
+            return
+        model, target = request.incoming_model, request.target_model
+        for kind, seconds in durations:
+            entry = self._prediction_durations.get(kind)
+            if entry is None or seconds < 0:
+                continue
+            children, gauge_type = entry
+            children.get(model, target).observe(seconds)
+            self._request_metric.get(model, target, gauge_type).set(seconds)
+
+    def _record_latency_outcome(self, request: LLMRequest) -> None:
+        """Predicted latencies and SLO checks of a finished request (GIE's
+        RecordRequestPredictedTTFT / …TPOT and RecordRequest{TTFT,TPOT}WithSLO), and any
+        prediction durations not yet recorded (sampled TPOT predictions)."""
+        self._record_prediction_durations(request)
+        outcome: LatencyOutcome | None = request.plugin_state.pop(
+            keys.PLUGIN_STATE_LATENCY_OUTCOME, None)
+        if outcome is None:
+            return
+        model, target = request.incoming_model, request.target_model
+        if outcome.predicted_ttft_s is not None and outcome.predicted_ttft_s >= 0:
+            self._predicted_ttft.get(model, target).observe(outcome.predicted_ttft_s)
+            self._request_metric.get(model, target, TYPE_PREDICTED_TTFT).set(
+                outcome.predicted_ttft_s)
+        if outcome.predicted_tpot_s is not None and outcome.predicted_tpot_s >= 0:
+            self._predicted_tpot.get(model, target).observe(outcome.predicted_tpot_s)
+            self._request_metric.get(model, target, TYPE_PREDICTED_TPOT).set(
+                outcome.predicted_tpot_s)
+        for violated, kind, gauge_type in (
+                (outcome.ttft_violated, TYPE_TTFT, TYPE_TTFT_SLO_VIOLATION),
+                (outcome.tpot_violated, TYPE_TPOT, TYPE_TPOT_SLO_VIOLATION)):
+            if violated is None:
+                continue
+            self._request_metric.get(model, target, gauge_type).set(1 if violated else 0)
+            if violated:
+                self._slo_violations.get(model, target, kind).inc()

@@ -1,14 +1,20 @@
-"""Optional OpenTelemetry tracing (``epp serve --tracing``; off by default).
+"""OpenTelemetry tracing (``epp serve --tracing``; on by default, as in GIE).
 
 One span per request (``epp.request``, from routing to the end of the response, a child of
 the client's ``traceparent`` when it sends one), with a ``epp.scheduling`` child and one
 child per plugin call (built after the fact from the plugin timings, so plugins stay plain
-functions). The request span's context is propagated to the model server in the
-``traceparent`` header. The scheduling core gives each request a :class:`TraceObserver`
-(a decision observer) that does all of this. The exporter follows the standard OTEL_*
-environment: ``OTEL_TRACES_EXPORTER`` (``otlp``, the default, or ``console``),
-``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_SERVICE_NAME`` (default ``epp``). Needs the
-``tracing`` extra: ``pip install 'epp[tracing]'``.
+functions; only for sampled requests). The request span's context is propagated to the
+model server in the ``traceparent`` header. The scheduling core gives each request a
+:class:`TraceObserver` (a decision observer) that does all of this.
+
+Set up as GIE v1.5.0's EPP sets it up (pkg/common/observability/tracing), through the
+standard OTEL_* environment: ``OTEL_TRACES_EXPORTER`` ``console`` (the default: spans
+printed to stdout) or ``otlp`` (OTLP over gRPC, plaintext, to
+``OTEL_EXPORTER_OTLP_ENDPOINT``, default ``http://localhost:4317``);
+``OTEL_TRACES_SAMPLER`` ``parentbased_traceidratio`` (the only one, as in GIE) with
+``OTEL_TRACES_SAMPLER_ARG`` the ratio (default 0.1); ``OTEL_SERVICE_NAME`` (default
+``gateway-api-inference-extension/epp``). Needs the ``tracing`` extra:
+``pip install 'epp[tracing]'``.
 """
 
 from __future__ import annotations
@@ -25,14 +31,45 @@ from epp.observability.observer import Observer
 from epp.parsing.usage import Usage
 from epp.scheduling.types import Endpoint, LLMRequest, SchedulingResult
 
+GIE_SERVICE_NAME = "gateway-api-inference-extension/epp"
+DEFAULT_OTLP_ENDPOINT = "http://localhost:4317"
+DEFAULT_SAMPLER_RATIO = 0.1
+
+# xds-protos (Envoy's protos, a dependency) ships its own, older copy of
+# opentelemetry/proto/*; installed after opentelemetry-proto it replaces that package's
+# modules, and the OTLP exporter then fails to import. scripts/setup-venv.sh reinstalls
+# opentelemetry-proto last; anyone else gets this fix in the error.
+_PROTO_CLOBBERED_FIX = ("the opentelemetry-proto modules were overwritten by xds-protos' "
+                        "older copy; fix: pip install --force-reinstall --no-deps "
+                        "opentelemetry-proto==$(pip show opentelemetry-proto | sed -n "
+                        "'s/^Version: //p')")
+
+
+def sampler_ratio(log: Any = None) -> float:
+    """GIE's sampler: parent-based trace-id ratio, from OTEL_TRACES_SAMPLER(_ARG); an
+    unsupported sampler or a bad ratio falls back to 0.1 (logged), as GIE does."""
+    kind = os.environ.get("OTEL_TRACES_SAMPLER", "parentbased_traceidratio").strip()
+    arg = os.environ.get("OTEL_TRACES_SAMPLER_ARG", str(DEFAULT_SAMPLER_RATIO)).strip()
+    if kind != "parentbased_traceidratio":
+        if log is not None:
+            log.warning("tracing: unsupported sampler type %s, falling back to "
+                        "parentbased_traceidratio with ratio 0.1 (as GIE)", kind)
+        return DEFAULT_SAMPLER_RATIO
+    try:
+        ratio = float(arg)
+    except ValueError:
+        return DEFAULT_SAMPLER_RATIO
+    return ratio if 0.0 <= ratio <= 1.0 else DEFAULT_SAMPLER_RATIO
+
 
 class Tracing:
-    def __init__(self, provider: Any = None) -> None:
+    def __init__(self, provider: Any = None, log: Any = None) -> None:
         try:
             from opentelemetry import trace
             from opentelemetry.sdk.resources import Resource
             from opentelemetry.sdk.trace import TracerProvider
             from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+            from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
             from opentelemetry.trace.propagation.tracecontext import (
                 TraceContextTextMapPropagator,
             )
@@ -42,18 +79,18 @@ class Tracing:
         self._trace = trace
         self._propagator = TraceContextTextMapPropagator()
         if provider is None:
-            provider = TracerProvider(resource=Resource.create(
-                {"service.name": os.environ.get("OTEL_SERVICE_NAME", "epp")}))
-            kind = os.environ.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower()
+            provider = TracerProvider(
+                resource=Resource.create(
+                    {"service.name": os.environ.get("OTEL_SERVICE_NAME", GIE_SERVICE_NAME)}),
+                sampler=ParentBased(TraceIdRatioBased(sampler_ratio(log))))
+            kind = os.environ.get("OTEL_TRACES_EXPORTER", "console").strip().lower()
             if kind == "console":
                 exporter: Any = ConsoleSpanExporter()
             elif kind == "otlp":
-                from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
-                    OTLPSpanExporter,
-                )
-                exporter = OTLPSpanExporter()
+                exporter = _otlp_grpc_exporter()
             else:
-                raise ConfigError(f"OTEL_TRACES_EXPORTER={kind!r}: use otlp or console")
+                raise ConfigError(f"OTEL_TRACES_EXPORTER={kind!r}: use console (the "
+                                  "default) or otlp (OTLP over gRPC)")
             provider.add_span_processor(BatchSpanProcessor(exporter))
         self.provider = provider
         self.tracer = provider.get_tracer("epp")
@@ -82,6 +119,20 @@ class Tracing:
             shutdown()
 
 
+def _otlp_grpc_exporter() -> Any:
+    """OTLP over gRPC, plaintext (GIE: otlptracegrpc.WithInsecure()), to
+    OTEL_EXPORTER_OTLP_ENDPOINT (default http://localhost:4317)."""
+    try:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    except ImportError as e:
+        fix = (_PROTO_CLOBBERED_FIX if "InstrumentationScope" in str(e)
+               else "pip install 'epp[tracing]'")
+        raise ConfigError(f"OTEL_TRACES_EXPORTER=otlp: {e}; {fix}") from e
+    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT", DEFAULT_OTLP_ENDPOINT)
+    return OTLPSpanExporter(endpoint=endpoint, insecure=True)
+
+
 class TraceObserver(Observer):
     """The trace of one request (a DecisionObserver with ``timings``): the request span,
     started at construction; at the end of scheduling its ``epp.scheduling`` child and one
@@ -104,8 +155,11 @@ class TraceObserver(Observer):
         self._calls.append((extension_point, plugin, end - int(seconds * 1e9), end))
 
     def scheduled(self, request: LLMRequest, result: SchedulingResult, seconds: float) -> None:
-        end = time.time_ns()
         span, tracing = self.span, self.tracing
+        if not span.is_recording():  # not sampled: nothing to record
+            self._calls = []
+            return
+        end = time.time_ns()
         span.set_attribute("gen_ai.request.model", request.target_model)
         span.set_attribute("epp.request_id", request.request_id)
         tracing.child(span, "epp.scheduling", self._start_ns, end, {

@@ -231,15 +231,46 @@ class UsageParser:
             if _USAGE_OBJECT.search(event) is None:
                 continue
             payload = _event_data(event)
-            if payload is None or payload.strip() == _DONE:
-                continue
-            try:
-                obj = orjson.loads(payload)
-            except ValueError:  # orjson.JSONDecodeError: ignore the event
-                continue
-            found = usage_from_json_object(obj)
+            found = None
+            if payload is not None and payload.strip() != _DONE:
+                try:
+                    found = usage_from_json_object(orjson.loads(payload))
+                except ValueError:  # orjson.JSONDecodeError: try the lenient reading
+                    found = None
+            if found is None:
+                found = _usage_from_data_lines(event)
             if found is not None:
                 self._last = found
+
+
+_DATA_FIELD: Final = re.compile(rb"data: ?")
+
+
+def _usage_from_data_lines(event: bytes) -> Usage | None:
+    """Lenient reading of an event that is not one JSON payload, as GIE's parser reads a
+    chunk: each ``data:`` field on its own, line by line. This also reads events whose
+    blank-line separator a server left out (``data: {}data: {"usage": …}`` when two
+    unterminated events meet at a chunk boundary). Only events holding a usage object get
+    here. The last usage found wins."""
+    found: Usage | None = None
+    for line in event.split(b"\n"):
+        fields = [(m.start(), m.end()) for m in _DATA_FIELD.finditer(line)]
+        for i, (_, start) in enumerate(fields):
+            # The value runs to the end of the line, or (events run together) to a later
+            # "data:" field ("data:" may also occur inside a JSON string); longest first.
+            ends = [len(line), *(f[0] for f in reversed(fields[i + 1:]))]
+            for end in ends:
+                value = line[start:end].strip()
+                if not value.startswith(b"{") or _USAGE_OBJECT.search(value) is None:
+                    continue
+                try:
+                    usage = usage_from_json_object(orjson.loads(value))
+                except ValueError:  # orjson.JSONDecodeError
+                    continue
+                if usage is not None:
+                    found = usage
+                    break
+    return found
 
 
 def _event_data(event: bytes) -> bytes | None:

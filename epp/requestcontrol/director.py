@@ -1,22 +1,32 @@
 """Request control, in two halves that may live in different processes.
 
-:class:`Director` (the protocol front): parse the body once → apply the model rewrite
-(``x-gateway-model-name-rewrite``) → ask the core for a decision → return a
-:class:`Routing`; on the response it parses usage and rewrites a rewritten model name back,
-then reports completion to the core exactly once.
+:class:`Director` (the protocol front): parse the body once → the request's objective
+and model rewrite (:func:`apply_objectives`: the priority of the InferenceObjective named
+by ``x-gateway-inference-objective``; the target an InferenceModelRewrite rule picks for
+the body's model, over ``x-gateway-model-name-rewrite``) → rewrite the body's model → ask
+the core for a decision → return a :class:`Routing`; on the response it parses usage and
+rewrites a rewritten model name back, then reports completion to the core exactly once.
 
-:class:`SchedulingCore` (the single owner of scheduling state) decides in four steps:
-candidates (the endpoint snapshot, narrowed by Envoy's subset hint) → schedule (the
-scheduler) → place (PreRequest plugins; headers for upstream and client) → account (the
-decision observer; the ticket). One :class:`~epp.observability.observer.DecisionObserver`
+:class:`SchedulingCore` (the single owner of scheduling state) first admits the request
+(:meth:`SchedulingCore.admit`, GIE's admission controller: under the ``flowControl``
+feature gate the request waits in the flow controller, epp/flowcontrol, until the pool
+can take it; without it GIE's legacy rule refuses a sheddable request, priority < 0,
+with 429 while the pool is saturated), then decides in four steps: candidates (the
+endpoint snapshot, narrowed by Envoy's subset hint) → schedule (the scheduler) → place
+(PreRequest plugins; headers for upstream and client) → account (the decision observer;
+the ticket). One :class:`~epp.observability.observer.DecisionObserver`
 sees every step and the completion: request metrics always, an explain record and a
 trace span when they are asked for. ResponseHeaders plugins are asked once per request at
 decision time (status 0), so a decision can travel to a front in another process in one
-message.
+message. Configs with GIE's PrepareData plugins (the latency predictor) run them over the
+candidates first (:meth:`SchedulingCore.decide_prepared`, asynchronous, 400 ms at most),
+then its admission plugins; plugins that learn from responses get the front's
+measurements at completion (``ResponseMeasured``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -27,19 +37,31 @@ from typing import Any, Protocol
 import orjson
 
 from epp import keys
+from epp.datastore.objectives import ObjectiveStore
 from epp.datastore.store import Datastore
-from epp.errors import BadRequest, ConfigError, EppError, ServiceUnavailable
+from epp.errors import BadRequest, ConfigError, EppError, NoCapacity, ServiceUnavailable
+from epp.flowcontrol import (
+    DEFAULT_FAIRNESS_ID,
+    FlowController,
+    FlowControlRequest,
+    SaturationFn,
+)
 from epp.framework.interfaces import (
+    PREPARE_DATA_TIMEOUT_S,
+    AdmissionPlugin,
     DecisionClassifier,
     Plugin,
+    PrepareDataPlugin,
     PreRequest,
     RequestHeaders,
     ResponseComplete,
     ResponseHeaders,
+    ResponseMeasured,
+    ResponseTimings,
 )
 from epp.handlers.protocol import Routing
 from epp.observability.explain import DecisionLog, ExplainObserver
-from epp.observability.metrics import EppMetrics, MetricsObserver
+from epp.observability.metrics import EppMetrics, MetricsObserver, gie_error_code
 from epp.observability.observer import DecisionObserver, Fanout, ResponseStats
 from epp.observability.tracing import TraceObserver, Tracing
 from epp.parsing.parser import Parser, ResponseParser
@@ -106,8 +128,28 @@ class SchedulingCore:
         explain_header: bool = False,
         decisions: DecisionLog | None = None,
         tracing: Tracing | None = None,
+        objectives: ObjectiveStore | None = None,
+        prepare_data: Sequence[PrepareDataPlugin] = (),
+        admission: Sequence[AdmissionPlugin] = (),
+        response_measured: Sequence[ResponseMeasured] = (),
+        flow_control: FlowController | None = None,
+        saturation: SaturationFn | None = None,
     ) -> None:
         self.store = store
+        # Admission, before anything else of a decision (GIE's AdmissionController; see
+        # admit()): the flow controller under the flowControl feature gate; otherwise
+        # GIE's legacy rule over ``saturation`` (the config's saturation detector; None:
+        # every request is admitted).
+        self.flow_control = flow_control
+        self.saturation = saturation
+        # GIE's PrepareData and Admission plugins (before scheduling: decide_prepared,
+        # decide) and what learns from measured responses (complete).
+        self.prepare_data = tuple(prepare_data)
+        self.admission = tuple(admission)
+        self.response_measured = tuple(response_measured)
+        # InferenceObjectives and InferenceModelRewrites: read by the Directors (in this
+        # process, or replicated to the --workers fronts: epp/server/workers.py).
+        self.objectives = objectives
         self.scheduler = scheduler
         self.metrics = metrics
         self.pre_request = tuple(pre_request)
@@ -125,11 +167,81 @@ class SchedulingCore:
         # The observer of the decision being scheduled, while it wants plugin timings.
         self._timed: DecisionObserver | None = None
 
+    async def decide_request(self, request: LLMRequest,
+                             subset: Sequence[str] | None) -> Decision:
+        """The whole decision, in GIE's Director's order: admission (:meth:`admit`), then
+        :meth:`decide_prepared`. What the CoreClients call (in process and for the
+        ``--workers`` fronts). Suspends only while flow control holds the request."""
+        if self.flow_control is not None or (request.priority < 0
+                                             and self.saturation is not None):
+            await self.admit(request, subset)
+        return await self.decide_prepared(request, subset)
+
+    async def admit(self, request: LLMRequest, subset: Sequence[str] | None) -> None:
+        """GIE's AdmissionController.Admit (pkg/epp/requestcontrol/admission.go); raises
+        EppError (counted) when the request is refused.
+
+        - Flow control on (``flow_control``): the request waits in its flow — fairness ID
+          ``x-gateway-inference-fairness-id`` (``default-flow``), its priority, its body
+          size — until dispatched; the outcome's error otherwise (GIE's
+          ``translateFlowControlOutcome``: 429 over capacity, 503 TTL expired, 500
+          controller not running). A request nothing could serve (no candidate
+          endpoint) is answered 503 at once instead of waiting out its TTL. Cancelling
+          the awaiting task (the client went away) removes it from its queue at once.
+        - Off (GIE's LegacyAdmissionController): a sheddable request (priority < 0) is
+          refused with 429 "system saturated, sheddable request dropped" while the
+          saturation detector reads its candidates (the pool, or Envoy's subset) at or
+          over 1.0 (no endpoints: saturated); any other request passes.
+        """
+        fc = self.flow_control
+        try:
+            if fc is None:
+                saturation = self.saturation
+                if request.priority < 0 and saturation is not None \
+                        and saturation(subset) >= 1.0:
+                    log.debug("request rejected: system saturated and request is sheddable",
+                              extra={"request_id": request.request_id})
+                    raise NoCapacity("system saturated, sheddable request dropped")
+                return
+            self._candidates(subset)
+            result = await fc.enqueue_and_wait(FlowControlRequest(
+                fairness_id=request.fairness_id or DEFAULT_FAIRNESS_ID,
+                priority=request.priority, byte_size=request.request_size_bytes,
+                request_id=request.request_id, model_name=request.incoming_model,
+                target_model_name=request.target_model, headers=request.headers,
+                subset=subset))
+            if not result.dispatched:
+                log.debug("flow control outcome %s: %s", result.label, result.reason,
+                          extra={"request_id": request.request_id})
+                result.raise_for_outcome()
+        except EppError as e:
+            self._refused(request, e.status)
+            raise
+        except asyncio.CancelledError:
+            # The client went away while queued (EvictedContextCancelled): GIE answers
+            # 503, which nobody receives, and counts it.
+            self._refused(request, ServiceUnavailable.status)
+            raise
+
+    def _refused(self, request: LLMRequest, status: int) -> None:
+        """Count a request admission refused: its error, and the model rewrite GIE's
+        Director counted before admission (decide() counts it otherwise)."""
+        if request.model_rewrite is not None:
+            self.metrics.record_model_rewrite(request.model_rewrite, request.incoming_model,
+                                              request.target_model)
+        self.reject(request.incoming_model, request.target_model, status)
+
     def decide(self, request: LLMRequest, subset: Sequence[str] | None) -> Decision:
         """Schedule ``request``; raises EppError (counted) when it cannot be placed."""
+        if request.model_rewrite is not None:
+            # GIE counts the rewrite where its Director applies it, whatever comes next.
+            self.metrics.record_model_rewrite(request.model_rewrite, request.incoming_model,
+                                              request.target_model)
         observer = self._observer(request)
         try:
             candidates = self._candidates(subset)
+            if self.admission:
+                self._admit(request, candidates)
             result = self._schedule(request, candidates, observer)
         except EppError as e:
             observer.failed(request, e.status, e.message)
@@ -142,6 +254,45 @@ class SchedulingCore:
             raise EppError("internal error in the endpoint picker") from e
         placement = self._place(request, result)
         return self._account(request, result, placement, observer)
+
+    async def decide_prepared(self, request: LLMRequest,
+                              subset: Sequence[str] | None) -> Decision:
+        """:meth:`decide`, after the PrepareData plugins ran over the candidates (GIE's
+        order: candidates → PrepareData → admission → scheduling). They get
+        :data:`PREPARE_DATA_TIMEOUT_S` together; a timeout or a failure is logged and the
+        request is scheduled anyway. Without PrepareData plugins this is :meth:`decide`;
+        with plugins that do no I/O it never suspends."""
+        if self.prepare_data:
+            try:
+                candidates = self._candidates(subset)
+            except EppError:
+                candidates = ()  # decide() answers (and counts) it
+            if candidates:
+                await self._prepare_data(request, candidates)
+        return self.decide(request, subset)
+
+    async def _prepare_data(self, request: LLMRequest, candidates: Sequence[Endpoint]) -> None:
+        plugin: PrepareDataPlugin | None = None
+        try:
+            async with asyncio.timeout(PREPARE_DATA_TIMEOUT_S):
+                for plugin in self.prepare_data:
+                    await plugin.prepare_request_data(request, candidates)
+        except TimeoutError:
+            log.warning("prepare data plugins timed out after %gs (at %s)",
+                        PREPARE_DATA_TIMEOUT_S, plugin.name if plugin else "?",
+                        extra={"request_id": request.request_id})
+        except Exception:
+            log.exception("PrepareData plugin %s failed", plugin.name if plugin else "?")
+
+    def _admit(self, request: LLMRequest, candidates: Sequence[Endpoint]) -> None:
+        """GIE's admission plugins: the first refusal answers 500 "request cannot be
+        admitted" (GIE's errcommon.Internal)."""
+        for plugin in self.admission:
+            reason = plugin.admit_request(request, candidates)
+            if reason is not None:
+                log.debug("admission plugin %s denied the request: %s", plugin.name, reason,
+                          extra={"request_id": request.request_id})
+                raise EppError("request cannot be admitted")
 
     def _observer(self, request: LLMRequest) -> DecisionObserver:
         """Who watches this decision: the metrics, plus a trace and an explain record when
@@ -255,6 +406,14 @@ class SchedulingCore:
         ``response``: what the front measured of the response body, when it saw it."""
         t: _Ticket = ticket
         seconds = time.monotonic() - t.started
+        if self.response_measured and response is not None and not aborted:
+            timings = ResponseTimings(status, seconds, response.ttft, response.tpot,
+                                      usage.completion_tokens if usage is not None else None)
+            for measured in self.response_measured:
+                try:
+                    measured.response_measured(t.request, t.endpoint_key, timings)
+                except Exception:
+                    log.exception("ResponseMeasured plugin %s failed", measured.name)
         for plugin in self.response_complete:
             try:
                 plugin.response_complete(t.request, t.endpoint_key, aborted)
@@ -263,10 +422,12 @@ class SchedulingCore:
         if response is not None and not aborted:
             t.observer.responded(t.request, status, response)
         t.observer.completed(t.request, status, aborted, usage, seconds)
+        if self.flow_control is not None:
+            self.flow_control.notify()  # a request left a pod: saturation may have dropped
 
     def reject(self, incoming: str, target: str, status: int) -> None:
         """Count a request rejected before scheduling (bad body, body too large, …)."""
-        self.metrics.request_error_total.labels(incoming, target, str(status)).inc()
+        self.metrics.request_error_total.labels(incoming, target, gie_error_code(status)).inc()
 
     def upstream_failed(self, address: str) -> None:
         """Envoy could not connect to the endpoint ``address`` (``ip:port``) it was sent
@@ -306,7 +467,7 @@ class LocalCore:
         self.core = core
 
     async def decide(self, request: LLMRequest, subset: Sequence[str] | None) -> Decision:
-        return self.core.decide(request, subset)
+        return await self.core.decide_request(request, subset)
 
     def complete(self, ticket: Any, status: int, aborted: bool, usage: Usage | None,
                  response: ResponseStats | None = None) -> None:
@@ -346,10 +507,16 @@ class Director:
     :class:`SchedulingCore` (wrapped in :class:`LocalCore`) or any other CoreClient.
     """
 
-    def __init__(self, core: SchedulingCore | CoreClient, parser: Plugin | None = None) -> None:
+    def __init__(self, core: SchedulingCore | CoreClient, parser: Plugin | None = None,
+                 objectives: ObjectiveStore | None = None) -> None:
         """``parser``: the config's ``parser`` plugin (``BuiltConfig.parser_plugin``; None:
-        the openai-parser). Raises ConfigError when it is not a :class:`Parser`."""
+        the openai-parser). Raises ConfigError when it is not a :class:`Parser`.
+        ``objectives``: the InferenceObjectives and model rewrites to apply (None: a
+        :class:`SchedulingCore`'s own; none for another CoreClient)."""
         self.core: CoreClient = LocalCore(core) if isinstance(core, SchedulingCore) else core
+        if objectives is None and isinstance(core, SchedulingCore):
+            objectives = core.objectives
+        self.objectives = objectives
         if parser is not None and not isinstance(parser, Parser):
             raise ConfigError(
                 f"parser.pluginRef: {parser.name!r} ({parser.type_name}) cannot be the parser: "
@@ -370,6 +537,8 @@ class Director:
         new_body = None
         try:
             request, parsed = build_request(headers, body, has_body, self.parser)
+            if self.objectives is not None:
+                apply_objectives(request, parsed, self.objectives)
             if parsed is not None and parsed.data is not None \
                     and request.target_model != request.incoming_model:
                 new_body = rewrite_model(parsed.data, request.target_model)
@@ -487,6 +656,27 @@ def build_request(headers: Mapping[str, str], body: bytes, has_body: bool,
 
 
 _OPENAI: Parser = OpenAIParser()
+
+
+def apply_objectives(request: LLMRequest, parsed: ParsedRequest | None,
+                     objectives: ObjectiveStore) -> None:
+    """Set ``request.priority`` from its objective, and apply a model rewrite rule, as
+    GIE's Director does (``getInferenceObjective``, ``applyWeightedModelRewrite``).
+
+    The priority is the InferenceObjective's named by ``x-gateway-inference-objective``
+    (``request.objective``), 0 without one. A rewrite applies to JSON bodies (GIE: the
+    map payload; not the passthrough or gRPC parsers' bodies) whose ``model`` is a string:
+    the rule that wins for that model (epp/datastore/objectives.py) picks the target,
+    which replaces ``target_model`` (even one the ``x-gateway-model-name-rewrite`` header
+    set, as in GIE), and ``model_rewrite`` names the rewrite (the core counts it in
+    ``inference_extension_model_rewrite_decisions_total``). The caller rewrites the body.
+    """
+    request.priority = objectives.priority(request.objective)
+    if parsed is None or parsed.data is None or not isinstance(parsed.data.get("model"), str):
+        return
+    chosen = objectives.rewrite(request.incoming_model)
+    if chosen is not None:
+        request.target_model, request.model_rewrite = chosen
 
 
 def _model_patterns(target: str, incoming: str) -> tuple[bytes, bytes, bytes, bytes]:

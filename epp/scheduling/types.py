@@ -132,6 +132,11 @@ class LLMRequest:
     fairness_id: str | None = None
     session_token: str | None = None
     request_size_bytes: int = 0  # the body sent upstream (GIE's LLMRequest.RequestSizeBytes)
+    # The priority of the request's InferenceObjective (``objective``; GIE's
+    # RequestObjectives.Priority): 0 without one. Higher is more important; negative allowed.
+    priority: int = 0
+    # The InferenceModelRewrite that chose ``target_model`` (None: no rule matched).
+    model_rewrite: str | None = None
     # Per-request data plugins compute once and share (e.g. prompt block hashes), keyed
     # by plugin name.
     plugin_state: dict[str, Any] = field(default_factory=dict)

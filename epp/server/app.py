@@ -6,16 +6,18 @@
 2. wire the object graph (epp/server/wiring.py: no port, no task, no file);
 3. start, through one :class:`contextlib.AsyncExitStack`, each resource followed at once
    by its cleanup: tracing; the endpoint source's fallible part (connect to Kubernetes,
-   or read the endpoints file); the metrics, health and ext_proc ports (a port in use is
-   a clear :class:`StartupError`; with ``--workers N`` the core socket and the front
-   processes instead of the ext_proc port); the model-server metrics scraper; polling of
-   the endpoints file; health (NOT_SERVING until the endpoint source has synced); the
-   Kubernetes source; the leader elector.
+   or read the endpoints file) and the objectives file; the flow controller (the
+   ``flowControl`` feature gate); the metrics, health and ext_proc ports (a port in use
+   is a clear :class:`StartupError`; with ``--workers N`` the core socket and the front
+   processes instead of the ext_proc port); the model-server
+   metrics scraper; polling of the endpoints and objectives files; health (NOT_SERVING
+   until the endpoint source has synced); the Kubernetes source; the leader elector.
 
 Teardown is that stack unwound, so it runs in reverse: elector (releases the Lease),
 Kubernetes source, file polling, scraper, ext_proc (fronts, then the core socket), health
-and metrics ports, the Kubernetes client, tracing (flushes spans). A startup that fails
-halfway unwinds what had started. Shutdown (:func:`serve_forever`): drain first
+and metrics ports, the flow controller (``flowControl`` feature gate: what is still
+queued ends with 500), the Kubernetes client, tracing (flushes spans). A startup that
+fails halfway unwinds what had started. Shutdown (:func:`serve_forever`): drain first
 (:meth:`EppServer.drain`, epp/server/drain.py: NOT_SERVING at once, ext_proc keeps
 serving for the drain window), then :meth:`EppServer.stop`.
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -33,11 +36,13 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from epp.config.loader import load_and_build
+from epp.datalayer.notifications import NotificationWatches
 from epp.datalayer.scraper import ScraperCollector
 from epp.datastore.store import Datastore
 from epp.discovery.kubeclient import KubeApi, connect
 from epp.discovery.kubernetes import KubernetesSource
 from epp.errors import ConfigError
+from epp.framework.interfaces import BackgroundPlugin
 from epp.observability.tracing import Tracing
 from epp.server.drain import TrackedExtProc
 from epp.server.leader import LeaderElector
@@ -122,7 +127,8 @@ class EppServer:
         for note in plan.notes:
             log.warning("%s", note)
         timings = PluginTimings()
-        built = load_and_build(o.config.file, o.config.text, timer=timings, strict=o.config.strict)
+        built = load_and_build(o.config.file, o.config.text, timer=timings, strict=o.config.strict,
+                               environ=os.environ)
         async with AsyncExitStack() as stack:
             tracing = _start_tracing(plan)
             if tracing is not None:
@@ -140,8 +146,21 @@ class EppServer:
                     auth = KubernetesAuth(api)
             elif parts.endpoints_file is not None:
                 parts.endpoints_file.load_initial()  # a bad file fails startup
+            if parts.objectives_file is not None:
+                parts.objectives_file.load_initial()  # a bad file fails startup
             if plan.metrics_auth_token is not None:
                 auth = BearerToken(plan.metrics_auth_token)
+            # k8s-notification-source watches (a ConfigError without Kubernetes discovery).
+            notifications = NotificationWatches(built.data_layer, k8s_source)
+            # Flow control (the flowControl feature gate) before the ext_proc port, so its
+            # stop comes after the port's: requests still queued then end EvictedOther.
+            if parts.flow_control is not None:
+                await parts.flow_control.start()
+                stack.push_async_callback(parts.flow_control.stop)
+                log.info("flow control on: requests wait in the EPP while the pool is "
+                         "saturated (saturation detector %s)",
+                         built.saturation_detector.name if built.saturation_detector
+                         else "none")
             # The ports.
             await self._serve_metrics(stack, parts, auth)
             await self._serve_health(stack, parts)
@@ -157,10 +176,19 @@ class EppServer:
             if parts.endpoints_file is not None:
                 parts.endpoints_file.start_polling()
                 stack.push_async_callback(parts.endpoints_file.stop)
+            if parts.objectives_file is not None:
+                parts.objectives_file.start_polling()
+                stack.push_async_callback(parts.objectives_file.stop)
+            for plugin in built.plugins.values():  # e.g. the latency predictor's sidecar client
+                if isinstance(plugin, BackgroundPlugin):
+                    stack.push_async_callback(plugin.stop_background)
+                    await plugin.start_background()
             await health.update()
             if k8s_source is not None:
                 stack.push_async_callback(k8s_source.stop)  # also undoes a partial start
                 await k8s_source.start()
+            stack.push_async_callback(notifications.stop)
+            await notifications.start()  # waits for their first lists; may fail startup
             release_lease: Callable[[], Awaitable[None]] | None = None
             if elector is not None:
                 elector.start()
@@ -184,7 +212,7 @@ class EppServer:
         api = await connect(discovery.kubeconfig)
         stack.push_async_callback(api.close)
         source = KubernetesSource(api, parts.store, discovery.options,
-                                  on_state_change=health.update)
+                                  on_state_change=health.update, objectives=parts.objectives)
         health.require(lambda: source.ready)
         parts.metrics.gangs.tracker = source.gangs
         if discovery.election is None:
@@ -304,7 +332,7 @@ def _start_tracing(plan: ServePlan) -> Tracing | None:
         return None
     try:
         try:
-            return Tracing()
+            return Tracing(log=log)
         except ImportError as e:  # e.g. an exporter package not matching the SDK
             raise ConfigError(f"--tracing: OpenTelemetry does not load: {e}") from e
     except ConfigError as e:

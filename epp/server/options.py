@@ -10,9 +10,9 @@ error is a :class:`~epp.errors.ConfigError` whose message names the flag, and
 ``epp serve`` prints it as ``epp: error: <message>`` (exit status 1).
 
 What validation does not cover, because it needs more than the options: the
-EndpointPickerConfig (epp.config.loader, built next), the kubeconfig and the endpoints
-file (read at startup, before any port is bound), the TLS key pair (read when the
-ext_proc port is bound), and the ports themselves (epp/server/listeners.py).
+EndpointPickerConfig (epp.config.loader, built next), the kubeconfig, the endpoints file
+and the objectives file (read at startup, before any port is bound), the TLS key pair
+(read when the ext_proc port is bound), and the ports themselves (epp/server/listeners.py).
 """
 
 from __future__ import annotations
@@ -46,11 +46,14 @@ DEFAULT_MAX_BODY = 64 << 20
 # true. Each is this EPP's default through one constant here. --secure-serving is on, as
 # in GIE (TLS on ext_proc, self-signed without --cert-path): whatever starts `epp serve`
 # for a plaintext gateway passes --secure-serving=false (epp/stack, bench/ and the tests
-# do: epp.stack.procs.LOCAL_SERVE_FLAGS). --tracing and --metrics-endpoint-auth are still
-# off (docs/configuration.md, "GIE's flags", says why). The flags have GIE's meaning.
+# do: epp.stack.procs.LOCAL_SERVE_FLAGS, which also turns the other two off). --tracing
+# on exports as GIE does (epp/observability/tracing.py); when OpenTelemetry is not
+# installed the default is skipped with a warning. --metrics-endpoint-auth on reviews
+# bearer tokens with the Kubernetes API; without a Kubernetes endpoint source there is
+# none, and /metrics stays open (a startup note says so). The flags have GIE's meaning.
 DEFAULT_SECURE_SERVING: Final = True  # GIE: true (self-signed without --cert-path)
-DEFAULT_TRACING: Final = False  # GIE: true
-DEFAULT_METRICS_ENDPOINT_AUTH: Final = False  # GIE: true (TokenReview/SubjectAccessReview)
+DEFAULT_TRACING: Final = True  # GIE: true
+DEFAULT_METRICS_ENDPOINT_AUTH: Final = True  # GIE: true (TokenReview/SubjectAccessReview)
 
 _FALSE = ("false", "0", "f", "no")
 _TRUE = ("true", "1", "t", "yes")
@@ -98,6 +101,15 @@ class StaticSourceOptions:
 
     endpoints: str | None = None  # ip:port[,ip:port…]
     endpoints_file: str | None = None
+    poll_interval_s: float = 0.5
+
+
+@dataclass(frozen=True)
+class ObjectivesOptions:
+    """``--objectives-file``: InferenceObjectives and InferenceModelRewrites for the modes
+    that watch no CRDs (epp/discovery/objectives_file.py); polled like the endpoints file."""
+
+    file: str | None = None
     poll_interval_s: float = 0.5
 
 
@@ -216,6 +228,7 @@ class ServeOptions:
     config: ConfigOptions = field(default_factory=ConfigOptions)
     static: StaticSourceOptions = field(default_factory=StaticSourceOptions)
     kubernetes: KubernetesSourceOptions = field(default_factory=KubernetesSourceOptions)
+    objectives: ObjectivesOptions = field(default_factory=ObjectivesOptions)
     tls: TlsOptions = field(default_factory=TlsOptions)
     ha: HaOptions = field(default_factory=HaOptions)
     scraping: ScrapingOptions = field(default_factory=ScrapingOptions)
@@ -257,6 +270,14 @@ class KubernetesDiscovery:
 EndpointSource = StaticEndpoints | EndpointsFile | KubernetesDiscovery
 
 
+@dataclass(frozen=True)
+class ObjectivesFile:
+    """``--objectives-file``: read at startup (a bad file fails it), then polled."""
+
+    path: Path
+    poll_interval_s: float
+
+
 TracingMode = Literal["off", "on", "if-installed"]
 
 
@@ -274,6 +295,7 @@ class ServePlan:
     # "if-installed": the default is on but OpenTelemetry may be missing (then off, logged)
     tracing: TracingMode = "off"
     notes: tuple[str, ...] = ()  # logged at startup: flags accepted that change nothing
+    objectives_file: ObjectivesFile | None = None  # --objectives-file
 
 
 def validate(options: ServeOptions) -> ServePlan:
@@ -313,7 +335,24 @@ def validate(options: ServeOptions) -> ServePlan:
     notes += _gie_only_notes(o.gie_only)
     return ServePlan(options=o, source=source, workers=o.workers.count or os.cpu_count() or 1,
                      metrics_auth_token=token, metrics_auth_kubernetes=kube_auth,
-                     secure_serving=secure, tracing=tracing, notes=tuple(notes))
+                     secure_serving=secure, tracing=tracing, notes=tuple(notes),
+                     objectives_file=_objectives_file(o.objectives, source))
+
+
+def _objectives_file(o: ObjectivesOptions, source: EndpointSource) -> ObjectivesFile | None:
+    """``--objectives-file``: not in pool mode, which watches the objects themselves."""
+    if o.file is None:
+        return None
+    if not o.file:
+        raise ConfigError("--objectives-file: empty path")
+    if isinstance(source, KubernetesDiscovery) and source.options.pool_name is not None:
+        raise ConfigError("--objectives-file cannot be used with --pool-name: in pool mode "
+                          "the EPP watches the InferenceObjective and InferenceModelRewrite "
+                          "objects that reference the pool (docs/kubernetes.md); the file "
+                          "is for the modes without an InferencePool")
+    if o.poll_interval_s <= 0:
+        raise ConfigError("--objectives-file: the poll interval must be > 0")
+    return ObjectivesFile(Path(o.file), o.poll_interval_s)
 
 
 def _gie_only_notes(g: GieOnlyOptions) -> list[str]:

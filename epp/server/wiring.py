@@ -1,8 +1,11 @@
 """The server's object graph, wired from validated options and the built config.
 
 :func:`wire` is a plain function: it makes the objects and connects them — datastore,
-metrics, health, the scheduling core and its Director, the scraper, the endpoints file
-source, the ext_proc servicer — and binds no port, starts no task and reads no file.
+metrics, health, the InferenceObjective/InferenceModelRewrite store, admission (the flow
+controller under the ``flowControl`` feature gate, otherwise GIE's legacy rule over the
+config's saturation detector), the scheduling core and its Director, the scraper, the
+endpoints file and objectives file sources, the ext_proc servicer — and binds no port,
+starts no task and reads no file.
 Starting them, in order and each with its cleanup, is epp/server/app.py's job.
 
 Plugins are reached only through the framework's Protocols (epp/framework/interfaces.py):
@@ -13,22 +16,29 @@ bodies; the server names no plugin type.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from prometheus_client import Counter
 
 from epp.config.loader import BuiltConfig
 from epp.datalayer.config import attach_sources, scraper_settings
 from epp.datalayer.scraper import MetricsScraper
+from epp.datastore.objectives import ObjectiveStore
 from epp.datastore.store import Datastore, RemovalListener
+from epp.discovery.objectives_file import ObjectivesFileSource
 from epp.discovery.static import StaticFileSource
+from epp.flowcontrol import FlowController, detector_saturation
 from epp.framework.interfaces import (
+    AdmissionPlugin,
     EndpointRemoved,
     NeedsResponse,
     Plugin,
     PluginTimer,
     PrefixIndexOwner,
+    PrepareDataPlugin,
+    ResponseMeasured,
     no_timer,
 )
 from epp.handlers.extproc import ExtProcServicer
@@ -36,10 +46,13 @@ from epp.observability.explain import DecisionLog
 from epp.observability.metrics import EppMetrics
 from epp.observability.tracing import Tracing
 from epp.requestcontrol.director import Decision, Director, SchedulingCore
-from epp.scheduling.types import LLMRequest
+from epp.scheduling.plugins.reporter import response_metadata
+from epp.scheduling.types import Endpoint, LLMRequest, Metrics
 from epp.server.drain import StreamTracker, TrackedExtProc
 from epp.server.health import HealthReporter
 from epp.server.options import EndpointsFile, KubernetesDiscovery, ServePlan, StaticEndpoints
+
+T = TypeVar("T")
 
 
 class PluginTimings:
@@ -89,9 +102,16 @@ class ServerParts:
     director: Director
     scraper: MetricsScraper | None  # None with --no-metrics-scraping
     endpoints_file: StaticFileSource | None  # --endpoints-file
+    # InferenceObjectives and model rewrites: filled by Kubernetes discovery (pool mode)
+    # or the objectives file, read by the Directors.
+    objectives: ObjectiveStore
+    objectives_file: ObjectivesFileSource | None  # --objectives-file
     stream_ended: Callable[[str], None]  # ext_proc stream outcomes, local and from fronts
     tracker: StreamTracker  # ext_proc streams of this process
     ext_proc: TrackedExtProc | None  # the ext_proc servicer; None with --workers N
+    # The flowControl feature gate's flow controller (the core's admission; not started);
+    # None without the gate (legacy admission).
+    flow_control: FlowController | None = None
 
 
 def wire(plan: ServePlan, built: BuiltConfig, timings: PluginTimings,
@@ -102,8 +122,23 @@ def wire(plan: ServePlan, built: BuiltConfig, timings: PluginTimings,
     not here either: it needs a connection to the API server (epp/server/app.py).
     """
     o = plan.options
-    store = Datastore()
+    store = Datastore() if built.flow_control is None else NotifyingDatastore()
     metrics = EppMetrics(store, pool_label(plan))
+    # Admission (SchedulingCore.admit): the config's saturation detector over the
+    # routable endpoints (the subset hint's, per request) feeds GIE's legacy rule, or,
+    # under the flowControl gate, the flow controller's dispatch.
+    saturation = (detector_saturation(built.saturation_detector, store.routable)
+                  if built.saturation_detector is not None else None)
+    flow_control: FlowController | None = None
+    if built.flow_control is not None:
+        if saturation is None:  # the loader always sets a detector; a hand-made config
+            saturation = _never_saturated
+        flow_control = FlowController(built.flow_control, saturation,
+                                      metrics=metrics.flow_control())
+        # Endpoint metrics refreshed, endpoints added or removed: saturation may have
+        # dropped (and the pool saturation gauge follows it).
+        assert isinstance(store, NotifyingDatastore)
+        store.on_change = flow_control.notify
     health = HealthReporter(leader_election=isinstance(plan.source, KubernetesDiscovery)
                             and plan.source.election is not None)
     health.require(lambda: store.synced)
@@ -114,6 +149,11 @@ def wire(plan: ServePlan, built: BuiltConfig, timings: PluginTimings,
         endpoints_file = StaticFileSource(plan.source.path, store, plan.source.poll_interval_s)
     for plugin in built.endpoint_removed:
         store.on_removed(_forget_removed(plugin))
+    objectives = ObjectiveStore()
+    objectives_file: ObjectivesFileSource | None = None
+    if plan.objectives_file is not None:
+        objectives_file = ObjectivesFileSource(plan.objectives_file.path, objectives,
+                                               plan.objectives_file.poll_interval_s)
     history = o.observability.explain_history
     decisions = DecisionLog(history) if history > 0 else None
     owners = [p for p in built.plugins.values() if isinstance(p, PrefixIndexOwner)]
@@ -126,7 +166,11 @@ def wire(plan: ServePlan, built: BuiltConfig, timings: PluginTimings,
                           built.response_complete, built.request_headers,
                           built.response_headers,
                           explain_header=o.observability.enable_explain_header,
-                          decisions=decisions, tracing=tracing)
+                          decisions=decisions, tracing=tracing, objectives=objectives,
+                          prepare_data=_of(built, PrepareDataPlugin),
+                          admission=_of(built, AdmissionPlugin),
+                          response_measured=_of(built, ResponseMeasured),
+                          flow_control=flow_control, saturation=saturation)
     timings.connect(metrics.observe_plugin if tracing is None
                     else _fan_out(metrics.observe_plugin, core.plugin_timer))
     director = Director(core, built.parser_plugin)
@@ -148,12 +192,15 @@ def wire(plan: ServePlan, built: BuiltConfig, timings: PluginTimings,
             ExtProcServicer(director, o.limits.max_request_body_bytes,
                             on_stream_end=stream_ended,
                             max_headers=o.limits.max_request_headers,
-                            body_consumers=body_consumers(built)),
+                            body_consumers=body_consumers(built),
+                            response_metadata=response_metadata(built.response_usage_metadata)),
             tracker)
     return ServerParts(plan=plan, built=built, store=store, metrics=metrics, health=health,
                        decisions=decisions, tracing=tracing, core=core, director=director,
                        scraper=scraper, endpoints_file=endpoints_file,
-                       stream_ended=stream_ended, tracker=tracker, ext_proc=ext_proc)
+                       objectives=objectives, objectives_file=objectives_file,
+                       stream_ended=stream_ended, tracker=tracker, ext_proc=ext_proc,
+                       flow_control=flow_control)
 
 
 def pool_label(plan: ServePlan) -> str:
@@ -174,6 +221,53 @@ class SubsetIgnoringCore(SchedulingCore):
 
     def decide(self, request: LLMRequest, subset: Sequence[str] | None) -> Decision:
         return super().decide(request, None)
+
+    async def decide_prepared(self, request: LLMRequest,
+                              subset: Sequence[str] | None) -> Decision:
+        return await super().decide_prepared(request, None)
+
+    async def admit(self, request: LLMRequest, subset: Sequence[str] | None) -> None:
+        await super().admit(request, None)
+
+
+class NotifyingDatastore(Datastore):
+    """A :class:`Datastore` that calls :attr:`on_change` after every change of endpoint
+    metrics (the scraper's commits) or of the endpoint set — where flow control learns
+    that saturation may have dropped (``FlowController.notify``: cheap, coalesced)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on_change: Callable[[], None] | None = None
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    def set_endpoints(self, endpoints: Iterable[Endpoint]) -> tuple[list[str], list[str]]:
+        result = super().set_endpoints(endpoints)
+        self._changed()
+        return result
+
+    def update_metrics(self, key: str, metrics: Metrics) -> bool:
+        updated = super().update_metrics(key, metrics)
+        if updated:
+            self._changed()
+        return updated
+
+    def update_metrics_many(self, updates: Mapping[str, Metrics]) -> int:
+        n = super().update_metrics_many(updates)
+        if n:
+            self._changed()
+        return n
+
+
+def _never_saturated(subset: Sequence[str] | None) -> float:
+    return 0.0
+
+
+def _of(built: BuiltConfig, kind: type[T]) -> list[T]:
+    """The config's plugins that are a ``kind`` (a request-control hook), in order."""
+    return [p for p in built.plugins.values() if isinstance(p, kind)]
 
 
 def body_consumers(built: BuiltConfig) -> list[str]:

@@ -19,13 +19,23 @@ Wire format on the socket: frames of a 4-byte big-endian length and an orjson ar
 Front → core: ``["R", id, request, subset]`` (decide), ``["C", ticket, status, aborted,
 usage, response]`` (complete; ``response``: the front's ResponseStats, or null),
 ``["J", model, target, status]`` (rejected before scheduling), ``["O", outcome]`` (stream
-outcome), ``["U", address]`` (Envoy could not connect to that endpoint). Core → front:
+outcome), ``["U", address]`` (Envoy could not connect to that endpoint), ``["X", id]``
+(the client of request ``id`` went away before its answer: the core cancels the decision,
+so a request waiting in flow control leaves its queue at once). Core → front:
 ``["D", id, destination, set_headers, response_headers, ticket]`` or ``["E", id, status,
 message, error_type]``, and the shutdown controls ``["T", timeout, quiet]`` (drain:
 epp/server/drain.py) and ``["S", grace]`` (stop now, running streams get ``grace``
-seconds; null: cancelled). Frames queue in the socket buffers, so a busy core reads and
+seconds; null: cancelled), and ``["M", objectives]`` (the core's InferenceObjectives and
+model rewrites, ObjectiveStore.export(): on connecting and after every change; the
+front's Director applies them). Frames queue in the socket buffers, so a busy core reads and
 answers them in batches. When a front's connection drops, the core completes that front's
-open requests as aborted; when the core goes away, fronts stop at once.
+open requests as aborted (and cancels those still waiting in flow control); when the core
+goes away, fronts stop at once.
+
+Flow control (the ``flowControl`` feature gate) lives in the core, like every other piece
+of scheduling state: one flow controller orders the requests of every front. Under it
+the core decides each "R" in its own task, so a request waiting for capacity holds up
+neither the other requests of its front nor that front's completions.
 
 Shutdown: a SIGTERM/SIGINT to the core (or to the whole process group) makes every front
 drain like a single process does — NOT_SERVING on the ext_proc port's health service,
@@ -38,6 +48,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
+import itertools
 import logging
 import os
 import socket
@@ -52,6 +64,7 @@ import orjson
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2_grpc
 
+from epp.datastore.objectives import ObjectiveStore
 from epp.errors import EppError
 from epp.handlers.extproc import DEFAULT_MAX_HEADERS, ExtProcServicer
 from epp.observability.observer import ResponseStats
@@ -74,6 +87,7 @@ from epp.server.listeners import StartupError
 log = logging.getLogger(__name__)
 
 _LEN = struct.Struct(">I")
+_INTERNAL_ERROR = "internal error in the endpoint picker"
 
 
 def _frame(msg: Sequence[Any]) -> bytes:
@@ -89,14 +103,15 @@ async def _read_frame(reader: asyncio.StreamReader) -> Any:
 def _request_to_wire(r: LLMRequest) -> list[Any]:
     return [r.request_id, r.target_model, r.incoming_model, r.api.value, r.prompt,
             dict(r.headers), r.stream, r.max_tokens, r.cache_salt, r.user, r.objective,
-            r.fairness_id, r.session_token, r.request_size_bytes]
+            r.fairness_id, r.session_token, r.request_size_bytes, r.priority, r.model_rewrite]
 
 
 def _request_from_wire(w: list[Any]) -> LLMRequest:
     return LLMRequest(request_id=w[0], target_model=w[1], incoming_model=w[2],
                       api=ApiType(w[3]), prompt=w[4], headers=w[5], stream=w[6],
                       max_tokens=w[7], cache_salt=w[8], user=w[9], objective=w[10],
-                      fairness_id=w[11], session_token=w[12], request_size_bytes=w[13])
+                      fairness_id=w[11], session_token=w[12], request_size_bytes=w[13],
+                      priority=w[14], model_rewrite=w[15])
 
 
 # ----------------------------------------------------------------------------- core side
@@ -115,6 +130,12 @@ class CoreServer:
         self._writers: set[asyncio.StreamWriter] = set()
         self.connected = asyncio.Event()
         self.fronts = 0
+        # The fronts' Directors apply InferenceObjectives and model rewrites: each gets the
+        # core's store on connecting and again whenever it changes ("M" frames).
+        self._objectives = core.objectives
+        if self._objectives is not None:
+            store = self._objectives
+            store.on_change(lambda: self.broadcast(["M", store.export()]))
 
     async def start(self) -> None:
         self._server = await asyncio.start_unix_server(self._serve, path=self.path)
@@ -125,26 +146,65 @@ class CoreServer:
         self._conns.add(task)
         self._writers.add(writer)
         self.fronts += 1
+        if self._objectives is not None:
+            writer.write(_frame(["M", self._objectives.export()]))
         self.connected.set()
         tickets: dict[int, Any] = {}
-        next_ticket = 0
+        next_ticket = itertools.count(1)
         core = self.core
+        # Under flow control a decision may wait in a queue: each runs in its own task, so
+        # this connection keeps reading (completions, cancellations) meanwhile; "X" frames
+        # cancel them (the front's client went away: the request leaves its queue).
+        deciding: dict[int, asyncio.Task[None]] = {}
+
+        async def decide_queued(rid: int, request: LLMRequest,
+                                subset: list[str] | None) -> None:
+            try:
+                d = await core.decide_request(request, subset)
+            except EppError as e:
+                if not writer.is_closing():
+                    writer.write(_frame(["E", rid, e.status, e.message, e.error_type]))
+                return
+            except Exception:
+                log.exception("deciding a request for an ext_proc worker failed")
+                if not writer.is_closing():
+                    writer.write(_frame(["E", rid, 500, _INTERNAL_ERROR, "internal_error"]))
+                return
+            if writer.is_closing():  # the front went away meanwhile
+                core.complete(d.ticket, 0, True, None)
+                return
+            ticket = next(next_ticket)
+            tickets[ticket] = d.ticket
+            writer.write(_frame(["D", rid, d.destination, d.set_headers,
+                                 d.response_headers, ticket]))
+
         try:
             while True:
                 msg = await _read_frame(reader)
                 kind = msg[0]
                 if kind == "R":
+                    if core.flow_control is not None:
+                        rid = msg[1]
+                        t = asyncio.ensure_future(
+                            decide_queued(rid, _request_from_wire(msg[2]), msg[3]))
+                        deciding[rid] = t
+                        t.add_done_callback(functools.partial(_forget, deciding, rid))
+                        continue
                     try:
-                        d = core.decide(_request_from_wire(msg[2]), msg[3])
+                        d = await core.decide_request(_request_from_wire(msg[2]), msg[3])
                     except EppError as e:
                         writer.write(_frame(["E", msg[1], e.status, e.message, e.error_type]))
                     else:
-                        next_ticket += 1
-                        tickets[next_ticket] = d.ticket
+                        ticket = next(next_ticket)
+                        tickets[ticket] = d.ticket
                         writer.write(_frame(["D", msg[1], d.destination, d.set_headers,
-                                             d.response_headers, next_ticket]))
+                                             d.response_headers, ticket]))
                     if writer.transport.get_write_buffer_size() > (1 << 20):
                         await writer.drain()
+                elif kind == "X":
+                    queued = deciding.get(msg[1])
+                    if queued is not None:
+                        queued.cancel()
                 elif kind == "C":
                     t = tickets.pop(msg[1], None)
                     if t is not None:
@@ -161,6 +221,8 @@ class CoreServer:
             pass
         finally:
             self.fronts -= 1
+            for queued in list(deciding.values()):  # their clients went with the front
+                queued.cancel()
             for t in tickets.values():  # the front went away: its requests are aborted
                 core.complete(t, 0, True, None)
             writer.close()
@@ -190,6 +252,10 @@ class CoreServer:
             os.rmdir(self._dir)
         except OSError:
             pass
+
+
+def _forget(tasks: dict[int, asyncio.Task[None]], rid: int, _done: object) -> None:
+    tasks.pop(rid, None)
 
 
 def check_port_free(address: str, port: int) -> None:
@@ -348,7 +414,7 @@ class RemoteCore:
         try:
             while True:
                 msg = await _read_frame(self._reader)
-                if msg[0] in ("T", "S"):  # shutdown controls, not answers
+                if msg[0] in ("T", "S", "M"):  # controls and objectives, not answers
                     if self._on_control is not None:
                         self._on_control(msg)
                     continue
@@ -378,11 +444,20 @@ class RemoteCore:
             raise EppError("the scheduling core is gone", status=503,
                            error_type="service_unavailable")
         self._next += 1
+        rid = self._next
         fut: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
-        self._pending[self._next] = fut
-        self._writer.write(_frame(["R", self._next, _request_to_wire(request),
+        self._pending[rid] = fut
+        self._writer.write(_frame(["R", rid, _request_to_wire(request),
                                    None if subset is None else list(subset)]))
-        return await fut
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            # The client went away (its ext_proc stream was cancelled) before the answer:
+            # the core cancels the decision, so a request waiting in flow control leaves
+            # its queue at once. An answer already on its way is handed back as aborted.
+            if self._pending.pop(rid, None) is not None:
+                self._send(["X", rid])
+            raise
 
     def complete(self, ticket: Any, status: int, aborted: bool, usage: Usage | None,
                  response: ResponseStats | None = None) -> None:
@@ -425,9 +500,17 @@ async def run_front(args: argparse.Namespace) -> int:
             stop_grace[0] = None if msg[1] is None else float(msg[1])
             stop_req.set()
 
+    objectives = ObjectiveStore()  # the core's, as its "M" frames send it
+
+    def on_message(msg: list[Any]) -> None:
+        if msg[0] == "M":
+            objectives.load(msg[1])
+        else:
+            on_control(msg)
+
     reader, writer = await asyncio.open_unix_connection(args.core_socket)
-    core = RemoteCore(reader, writer, on_control)
-    director = Director(core, _front_parser(args.parser))
+    core = RemoteCore(reader, writer, on_message)
+    director = Director(core, _front_parser(args.parser), objectives)
     # No message limit, as in one process (epp/server/app.py, _start_ext_proc): a BUFFERED
     # body over --max-request-body-bytes must reach the handler to get its 413.
     server = grpc.aio.server(options=[

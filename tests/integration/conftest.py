@@ -18,7 +18,7 @@ import pytest_asyncio
 import yaml
 
 from epp.stack.envoy import DEFAULT_RESPONSE_PATH, EnvoyProcess, render_envoy_config
-from epp.stack.procs import ManagedProcess, free_port, wait_port
+from epp.stack.procs import LOCAL_SERVE_FLAGS, ManagedProcess, free_port, wait_port
 from tests import polling
 from tests.integration.plugins import CONFIG
 
@@ -93,7 +93,7 @@ class Epp:
     async def _start_once(self) -> None:
         self.starts += 1
         self.proc = ManagedProcess(
-            [sys.executable, "-m", "epp.cli", "serve", "--secure-serving=false", "--drain-quiet-period", "0", "--bind-address", "127.0.0.1",
+            [sys.executable, "-m", "epp.cli", "serve", *LOCAL_SERVE_FLAGS, "--drain-quiet-period", "0", "--bind-address", "127.0.0.1",
              "--grpc-port", str(self.grpc_port), "--grpc-health-port", str(self.health_port),
              "--metrics-port", str(self.metrics_port), "--endpoints-file",
              str(self.endpoints_file),

@@ -22,7 +22,7 @@ import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from epp.stack.procs import ManagedProcess, free_port, wait_port
+from epp.stack.procs import LOCAL_SERVE_FLAGS, ManagedProcess, free_port, wait_port
 from tests.integration.conftest import (
     ROOT,
     Stack,
@@ -154,7 +154,7 @@ async def test_long_streams_survive_sigterm_and_new_requests_are_served(
 
 async def test_readiness_not_serving_within_100ms_liveness_stays(tmp_path: Path) -> None:
     grpc_port, health_port, metrics_port = free_port(), free_port(), free_port()
-    proc = ManagedProcess([sys.executable, "-m", "epp.cli", "serve", "--secure-serving=false", "--bind-address",
+    proc = ManagedProcess([sys.executable, "-m", "epp.cli", "serve", *LOCAL_SERVE_FLAGS, "--bind-address",
                            "127.0.0.1", "--grpc-port", str(grpc_port), "--grpc-health-port",
                            str(health_port), "--metrics-port", str(metrics_port), "--endpoints",
                            "127.0.0.1:1", "--no-metrics-scraping",

@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epp import keys
 from epp.stack.envoy import EnvoyProcess, render_envoy_config
-from epp.stack.procs import ManagedProcess, free_port, wait_port
+from epp.stack.procs import LOCAL_SERVE_FLAGS, ManagedProcess, free_port, wait_port
 from tests.integration.conftest import ROOT, Upstreams, eventually
 from tests.integration.plugins import CONFIG
 from tests.k8s_fake import FakeApiServer
@@ -52,7 +52,7 @@ class KubeEpp:
     def __init__(self, workdir: Path, kubeconfig: Path, *args: str,
                  config: str | None = CONFIG, kube: bool = True) -> None:
         self.grpc_port, self.health_port, self.metrics_port = (free_port() for _ in range(3))
-        argv = [sys.executable, "-m", "epp.cli", "serve", "--secure-serving=false", "--drain-quiet-period", "0", "--bind-address", "127.0.0.1",
+        argv = [sys.executable, "-m", "epp.cli", "serve", *LOCAL_SERVE_FLAGS, "--drain-quiet-period", "0", "--bind-address", "127.0.0.1",
                 "--grpc-port", str(self.grpc_port), "--grpc-health-port", str(self.health_port),
                 "--metrics-port", str(self.metrics_port), "--no-metrics-scraping",
                 "--log-level", "info", *args]
@@ -176,7 +176,7 @@ async def test_leader_election_between_two_processes(fake: FakeApiServer, epps: 
 async def test_bad_kubernetes_flags_fail_at_startup(kubeconfig: Path) -> None:
     """One end-to-end check of the exit status and message (the rest: unit tests)."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "epp.cli", "serve", "--secure-serving=false", "--drain-quiet-period", "0", "--bind-address", "127.0.0.1",
+        sys.executable, "-m", "epp.cli", "serve", *LOCAL_SERVE_FLAGS, "--drain-quiet-period", "0", "--bind-address", "127.0.0.1",
         "--grpc-port", str(free_port()), "--grpc-health-port", str(free_port()),
         "--metrics-port", str(free_port()), "--pool-name", "p", "--kubeconfig",
         "/nonexistent/kubeconfig",

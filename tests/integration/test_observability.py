@@ -76,9 +76,10 @@ async def test_metrics_count_requests_errors_and_tokens(
         total = samples(text, "inference_objective_request_total")
         assert total['{model_name="food-review",priority="0",target_model_name="food-review"}'] == 8
         errors = samples(text, "inference_objective_request_error_total")
-        assert errors['{error_code="400",model_name="",target_model_name=""}'] == 2
-        assert errors['{error_code="429",model_name="food-review",target_model_name="food-review"}'] == 1
-        assert errors['{error_code="413",model_name="",target_model_name=""}'] == 1
+        # GIE's error codes: 400 and 413 are both BadRequest, 429 ResourceExhausted.
+        assert errors['{error_code="BadRequest",model_name="",target_model_name=""}'] == 3
+        assert errors['{error_code="ResourceExhausted",model_name="food-review",'
+                      'target_model_name="food-review"}'] == 1
         # The simulator counts words as tokens: 4 prompt tokens, 5 completion tokens each.
         lab = '{model_name="food-review",target_model_name="food-review"}'
         assert samples(text, "inference_objective_input_tokens_sum")[lab] == 8 * 4

@@ -19,7 +19,7 @@ import pytest
 from epp.datalayer.scraper import MetricsScraper, ScrapeOptions
 from epp.datastore.store import Datastore
 from epp.scheduling.types import Endpoint, Metrics
-from epp.stack.procs import ManagedProcess, free_port, wait_port
+from epp.stack.procs import LOCAL_SERVE_FLAGS, ManagedProcess, free_port, wait_port
 from tests.polling import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -127,7 +127,7 @@ async def test_killed_sim_goes_stale_keeping_its_last_values(sims: Sims) -> None
 
 async def test_epp_serve_scrapes_and_exports(sims: Sims, tmp_path: Path) -> None:
     grpc_port, health_port, metrics_port = free_port(), free_port(), free_port()
-    epp = ManagedProcess([sys.executable, "-m", "epp.cli", "serve", "--secure-serving=false", "--drain-quiet-period", "0",
+    epp = ManagedProcess([sys.executable, "-m", "epp.cli", "serve", *LOCAL_SERVE_FLAGS, "--drain-quiet-period", "0",
                           "--endpoints", f"127.0.0.1:{sims.busy},127.0.0.1:{sims.idle}",
                           "--grpc-port", str(grpc_port), "--grpc-health-port", str(health_port),
                           "--metrics-port", str(metrics_port), "--bind-address", "127.0.0.1",

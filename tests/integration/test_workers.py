@@ -76,10 +76,10 @@ async def test_workers_route_reject_and_count_like_one_process(
         total = samples(text, "inference_objective_request_total")
         assert total['{model_name="m",priority="0",target_model_name="m"}'] == 33
         errs = samples(text, "inference_objective_request_error_total")
-        assert errs['{error_code="400",model_name="",target_model_name=""}'] == 1
-        assert errs['{error_code="413",model_name="",target_model_name=""}'] == 1
-        assert errs['{error_code="429",model_name="m",target_model_name="m"}'] == 1
-        assert errs['{error_code="500",model_name="m",target_model_name="m"}'] == 1
+        # GIE's error codes: 400 and 413 are both BadRequest.
+        assert errs['{error_code="BadRequest",model_name="",target_model_name=""}'] == 2
+        assert errs['{error_code="ResourceExhausted",model_name="m",target_model_name="m"}'] == 1
+        assert errs['{error_code="Internal",model_name="m",target_model_name="m"}'] == 1
         # Token usage is read from the response body: GIE's shape only.
         tokens = samples(text, "inference_objective_output_tokens_sum").get(
             '{model_name="m",target_model_name="m"}', 0)

@@ -1,8 +1,9 @@
 """A fake Kubernetes API server for tests: the list/watch protocol over plain HTTP.
 
 It serves what the EPP uses — Pods (namespaced), Nodes (cluster-scoped), InferencePools
-(v1 and v1alpha2 groups), Grove PodGangs (404 when ``serve_podgangs`` is False, as
-without Grove's CRDs), Leases (GET/POST/PUT) — with the semantics that matter:
+(v1 and v1alpha2 groups), InferenceObjectives and InferenceModelRewrites (v1alpha2),
+Grove PodGangs (404 when ``serve_podgangs`` is False, as without Grove's CRDs), Leases
+(GET/POST/PUT) — with the semantics that matter:
 
 - one global, increasing ``resourceVersion`` (RV); every write stamps the object;
 - LIST returns ``{"kind": …List, "metadata": {"resourceVersion"}, "items": […]}``, with
@@ -63,6 +64,10 @@ KINDS: Mapping[str, _Kind] = MappingProxyType({
                             "inference.networking.k8s.io/v1", True),
     "leases": _Kind("leases", "Lease", "coordination.k8s.io/v1", True),
     "podgangs": _Kind("podgangs", "PodGang", "scheduler.grove.io/v1alpha1", True),
+    "inferenceobjectives": _Kind("inferenceobjectives", "InferenceObjective",
+                                 "inference.networking.x-k8s.io/v1alpha2", True),
+    "inferencemodelrewrites": _Kind("inferencemodelrewrites", "InferenceModelRewrite",
+                                    "inference.networking.x-k8s.io/v1alpha2", True),
 })
 
 

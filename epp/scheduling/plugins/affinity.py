@@ -5,11 +5,12 @@ Per request: with probability ``explorationProbability`` keep every candidate
 (exploration); otherwise an endpoint is sticky when matched / total prompt blocks (the
 ``approx-prefix-cache-producer``'s index, the same ratio ``prefix-cache-scorer`` gives) is
 ``>= affinityThreshold``. No sticky endpoint, one candidate or less, or a threshold <= 0:
-every candidate stays. GIE also breaks stickiness when the best sticky endpoint's
-predicted TTFT exceeds the best other one's by more than ``maxTTFTPenaltyMs``; the
-predictions come from GIE's latency predictor, which this EPP does not have, and an
-endpoint without a prediction never breaks the gate (as in GIE) — so the parameter is
-accepted and validated, and has no effect here.
+every candidate stays. As in GIE, stickiness is broken (every candidate stays) when the
+best sticky endpoint's predicted TTFT exceeds the best other one's by more than
+``maxTTFTPenaltyMs`` (> 0). The predictions are the ``predicted-latency-producer``'s (or
+``predicted-latency-scorer``'s) for this request; a group without any prediction counts
+as infinitely slow, as GIE's ``bestTTFT`` does — so without a predictor configured the gate
+never breaks.
 
 The filter reads the config's ``approx-prefix-cache-producer`` (the one declared, or the
 one ``prefix-cache-scorer`` creates); without any producer nothing is sticky. Declared
@@ -19,12 +20,16 @@ filter, 0.80 after).
 
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
+from epp.framework import interfaces as fw
 from epp.framework.handle import PluginHandle
 from epp.framework.params import ParameterError, param
+from epp.latency.types import LatencyPredictionInfo, prediction_infos
 from epp.scheduling.plugins.prefix import ApproxPrefixCacheProducer
 from epp.scheduling.types import CycleState, Endpoint, LLMRequest
 
@@ -46,6 +51,9 @@ class PrefixCacheAffinityParameters:
 
 class PrefixCacheAffinityFilter:
     type_name = "prefix-cache-affinity-filter"
+    consumes = MappingProxyType({
+        fw.DATA_KEY_LATENCY_PREDICTION_INFO: "LatencyPredictionInfo",
+        fw.DATA_KEY_PREFIX_CACHE_MATCH_INFO: "PrefixCacheMatchInfo"})
     Parameters = PrefixCacheAffinityParameters
 
     def __init__(self, name: str, affinity_threshold: float = 0.80,
@@ -90,4 +98,26 @@ class PrefixCacheAffinityFilter:
             return endpoints
         sticky = [e for e in endpoints
                   if matched.get(e.key, 0) / total >= self.affinity_threshold]
-        return sticky if sticky else endpoints
+        if not sticky:
+            return endpoints
+        if self.max_ttft_penalty_ms > 0 and len(sticky) < len(endpoints):
+            infos = prediction_infos(request)
+            if infos:
+                sticky_keys = {e.key for e in sticky}
+                others = [e for e in endpoints if e.key not in sticky_keys]
+                penalty = _best_ttft(infos, sticky) - _best_ttft(infos, others)
+                if penalty > self.max_ttft_penalty_ms:  # the sticky ones are too slow
+                    return endpoints
+        return sticky
+
+
+def _best_ttft(infos: Mapping[str, LatencyPredictionInfo],
+               endpoints: Sequence[Endpoint]) -> float:
+    """The lowest predicted TTFT (ms) among ``endpoints``; +inf when none has one (GIE
+    uses the largest float there: a gap between two unpredicted groups is 0)."""
+    best = math.inf
+    for e in endpoints:
+        info = infos.get(e.key)
+        if info is not None and info.ttft < best:
+            best = info.ttft
+    return best

@@ -6,6 +6,7 @@ Only the config loader imports this module; plugins import the framework
 
 from __future__ import annotations
 
+from epp.flowcontrol.plugins import FLOW_CONTROL_PLUGINS
 from epp.framework.registry import Registry
 from epp.parsing.parsers import BUILTIN_PARSERS
 from epp.scheduling.plugins import (
@@ -15,6 +16,11 @@ from epp.scheduling.plugins import (
     datalayer,
     filters,
     handlers,
+    latency_admitter,
+    latency_filter,
+    latency_monolith,
+    latency_producer,
+    latency_scorer,
     load,
     lora,
     nohit,
@@ -61,6 +67,11 @@ BUILTIN_PLUGINS: tuple[type, ...] = (
     saturation.UtilizationDetector,
     concurrency.ConcurrencyDetector,
     affinity.PrefixCacheAffinityFilter,
+    latency_monolith.PredictedLatencyScorer,  # GIE's latency predictor (old monolith + new)
+    latency_producer.PredictedLatencyProducer,
+    latency_admitter.LatencySloAdmitter,
+    latency_filter.SloHeadroomTierFilter,
+    latency_scorer.LatencyScorer,
     conformance.HeaderBasedTestingFilter,
     conformance.DestinationEndpointServedVerifier,
     reporter.RequestAttributeReporter,
@@ -68,6 +79,7 @@ BUILTIN_PLUGINS: tuple[type, ...] = (
     datalayer.CoreMetricsExtractor,
     datalayer.EndpointNotificationSource,
     datalayer.K8sNotificationSource,
+    *FLOW_CONTROL_PLUGINS,  # GIE's flow-control policies (epp/flowcontrol/plugins.py)
     *BUILTIN_PARSERS,  # openai-parser, passthrough-parser, vllmgrpc-parser, vllmhttp-parser
 )
 

@@ -12,7 +12,9 @@ epp/datalayer/config.py): the source gives the URL scheme, path and TLS verifica
 defaults are GIE's: ``http``, ``/metrics``, ``true``); the extractor gives the engine
 mappings (GIE's ``engineConfigs``, ``defaultEngine``, ``engineLabelKey``).
 ``endpoint-notification-source`` tells its extractors (Python plugins implementing
-``extract_endpoint``) when endpoints join or leave the pool.
+``extract_endpoint``) when endpoints join or leave the pool; ``k8s-notification-source``
+tells its extractors (``extract_notification``) about the objects of one Kubernetes kind
+(the watch is epp/datalayer/notifications.py).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from epp.framework.interfaces import (
     DATA_ENDPOINT_EVENTS,
     DATA_K8S_NOTIFICATIONS,
     DATA_PROMETHEUS,
+    gvk_string,
 )
 from epp.framework.params import NoParameters, ParameterError, param, report_unknown
 
@@ -232,11 +235,12 @@ class K8sNotificationSourceParameters:
 
 
 class K8sNotificationSource:
-    """Watches one Kubernetes kind (``group``, ``version``, ``kind``) for its extractors.
-
-    Loaded and validated as GIE does (two sources may not watch the same kind; an
-    extractor must read k8s notifications); the watch itself is not implemented in this
-    EPP: its extractors get no events (a warning at startup says so)."""
+    """Watches one Kubernetes kind (``group``, ``version``, ``kind``) for its extractors
+    (:class:`~epp.framework.interfaces.NotificationExtractor`): each object created or
+    changed is an ``add-or-update``, each one deleted a ``delete``. Validated as GIE does
+    (two sources may not watch the same kind; an extractor must be a notification
+    extractor of the same kind); watched with Kubernetes discovery only
+    (epp/datalayer/notifications.py)."""
 
     type_name = "k8s-notification-source"
     Parameters = K8sNotificationSourceParameters
@@ -251,7 +255,7 @@ class K8sNotificationSource:
     @property
     def gvk(self) -> str:
         """``group/version, Kind=kind`` (Kubernetes' GroupVersionKind string)."""
-        return f"{self.group}/{self.version}, Kind={self.kind}"
+        return gvk_string(self.group, self.version, self.kind)
 
     @classmethod
     def from_params(cls, name: str, params: K8sNotificationSourceParameters,

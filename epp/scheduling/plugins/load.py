@@ -19,8 +19,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from epp.errors import ConfigError
+from epp.framework import interfaces as fw
 from epp.framework.handle import PluginHandle
 from epp.framework.params import param, positive_duration
 from epp.scheduling.types import CycleState, Endpoint, LLMRequest, SchedulingResult
@@ -242,6 +244,7 @@ class InFlightLoadProducer(_Tracking):
     """
 
     type_name = "inflight-load-producer"
+    produces = MappingProxyType({fw.DATA_KEY_IN_FLIGHT_LOAD: "InFlightLoad"})
     count_tokens = True
 
     @dataclass(frozen=True)
@@ -276,6 +279,7 @@ class TokenLoadScorer:
     """
 
     type_name = "token-load-scorer"
+    consumes = MappingProxyType({fw.DATA_KEY_IN_FLIGHT_LOAD: "InFlightLoad"})
     DEFAULT_THRESHOLD = 4_194_304
 
     @dataclass(frozen=True)

@@ -18,7 +18,9 @@ full of adapters.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import MappingProxyType
 
+from epp.framework import interfaces as fw
 from epp.framework.handle import PluginHandle
 from epp.framework.params import NoParameters
 from epp.scheduling.types import CycleState, Endpoint, LLMRequest
@@ -32,6 +34,8 @@ class LoraAffinityScorer:
     """Scores endpoints by the LoRA adapter state of the request's target model."""
 
     type_name = "lora-affinity-scorer"
+    consumes = MappingProxyType({fw.DATA_KEY_ACTIVE_MODELS: "map[string]int",
+                                 fw.DATA_KEY_WAITING_MODELS: "map[string]int"})
     Parameters = NoParameters
 
     def __init__(self, name: str) -> None:

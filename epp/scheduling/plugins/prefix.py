@@ -30,10 +30,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from epp import keys
 from epp.errors import ConfigError
+from epp.framework import interfaces as fw
 from epp.framework.handle import PluginHandle
 from epp.framework.params import config_warning, param
 from epp.scheduling.prefix.indexer import PrefixIndex, prompt_block_hashes
@@ -103,6 +105,7 @@ def _warn_block_size(block_size: int | None, name: str) -> None:
 
 class ApproxPrefixCacheProducer:
     type_name = "approx-prefix-cache-producer"
+    produces = MappingProxyType({fw.DATA_KEY_PREFIX_CACHE_MATCH_INFO: "PrefixCacheMatchInfo"})
     Parameters = PrefixIndexParameters
 
     def __init__(self, name: str, block_size_tokens: int = 16, max_blocks: int = 256,
@@ -205,6 +208,7 @@ class PrefixCacheScorer:
     """matched / total prompt blocks per endpoint (0 for prompts shorter than a block)."""
 
     type_name = "prefix-cache-scorer"
+    consumes = MappingProxyType({fw.DATA_KEY_PREFIX_CACHE_MATCH_INFO: "PrefixCacheMatchInfo"})
     Parameters = PrefixScorerParameters
 
     def __init__(self, name: str, own_params: PrefixIndexParameters | None = None) -> None:

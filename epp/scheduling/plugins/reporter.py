@@ -17,21 +17,37 @@ expression's value, truncated to an integer, goes to ``{namespace: {name: value}
 non-number and an evaluation error report nothing (GIE logs the error). The plugin needs
 response bodies (the ``inline`` gateway shape): it declares so, and the EPP warns when a
 stream gives it none.
+
+Sending it (GIE's pkg/epp/handlers/server.go, response.go): :func:`response_metadata` is
+the ext_proc handler's hook (epp/server/wiring.py). When a response ends, the configured
+reporters see its usage — GIE's ``requestcontrol.Usage`` as JSON, :func:`usage_object` —
+and their metadata, merged, goes to Envoy as ``ProcessingResponse.dynamic_metadata`` on
+the answer to the response's last message: the end-of-stream body chunk (GIE: its last
+body answer, for JSON and SSE alike), or the trailers of a gRPC response (GIE: the body
+answer it sends just before the trailers answer). Envoy accepts only the namespaces its
+ext_proc filter lists in ``metadata_options.receiving_namespaces`` (``epp envoy-config``:
+``envoy.lb``).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from epp.errors import ConfigError
 from epp.framework.handle import PluginHandle
+from epp.framework.interfaces import ResponseUsageMetadata
 from epp.framework.params import ParameterError, param, report_unknown
+from epp.handlers.protocol import ResponseMetadata
+from epp.parsing.usage import Usage
 from epp.scheduling.plugins.cel import CelError, Program, compile_expression, struct_value
 from epp.scheduling.types import LLMRequest
+
+if TYPE_CHECKING:
+    from epp.requestcontrol.director import RequestContext
 
 log = logging.getLogger(__name__)
 
@@ -129,3 +145,51 @@ class RequestAttributeReporter:
         if v is None:
             return None
         return {self.attribute.namespace: {self.attribute.name: float(v)}}
+
+
+def usage_object(usage: Usage | None) -> dict[str, Any]:
+    """The ``usage`` the expressions see: GIE's ``requestcontrol.Usage`` marshalled to
+    JSON — ``prompt_tokens``, ``completion_tokens`` and ``total_tokens`` always (0 when the
+    response reported none, so ``has(usage.completion_tokens)`` is true even then, as in
+    GIE), ``prompt_token_details.cached_tokens`` when reported. ``total_tokens`` is
+    prompt + completion (GIE copies the body's ``total_tokens``; model servers report
+    that sum)."""
+    prompt = usage.prompt_tokens if usage is not None and usage.prompt_tokens else 0
+    completion = usage.completion_tokens if usage is not None and usage.completion_tokens \
+        else 0
+    out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                           "total_tokens": prompt + completion}
+    if usage is not None and usage.cached_tokens is not None:
+        out["prompt_token_details"] = {"cached_tokens": usage.cached_tokens}
+    return out
+
+
+def response_metadata(plugins: Sequence[ResponseUsageMetadata]) -> ResponseMetadata | None:
+    """The ext_proc handler's ``response_metadata`` hook for ``plugins`` (the config's
+    ResponseUsageMetadata plugins; None when there are none: nothing to ask per response).
+
+    The hook takes the Director's request context (``Routing.context``) after
+    ``on_done``: every plugin sees the response's usage (:func:`usage_object`, zeros when
+    there was none, as GIE runs its ResponseBody plugins on every response); their
+    ``{namespace: {name: value}}`` are merged, a later plugin's key over an earlier's. A
+    failing plugin is logged and skipped."""
+    reporters = tuple(plugins)
+    if not reporters:
+        return None
+
+    def metadata(context: Any) -> dict[str, dict[str, Any]] | None:
+        ctx: RequestContext = context
+        parser = ctx.usage
+        usage = usage_object(parser.finish() if parser is not None else None)
+        out: dict[str, dict[str, Any]] = {}
+        for plugin in reporters:
+            try:
+                found = plugin.usage_metadata(ctx.request, usage)
+            except Exception:
+                log.exception("%s: computing response metadata failed", plugin.name)
+                continue
+            for namespace, fields in (found or {}).items():
+                out.setdefault(namespace, {}).update(fields)
+        return out or None
+
+    return metadata

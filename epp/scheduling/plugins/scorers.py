@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import MappingProxyType
 from typing import Self
 
+from epp.framework import interfaces as fw
 from epp.framework.handle import PluginHandle
 from epp.framework.params import NoParameters
 from epp.scheduling.types import CycleState, Endpoint, LLMRequest
@@ -26,6 +28,7 @@ class QueueScorer(_NoParams):
     """(max − q) / (max − min) over the candidates' waiting queues; 1 for all when equal."""
 
     type_name = "queue-scorer"
+    consumes = MappingProxyType({fw.DATA_KEY_WAITING_QUEUE_SIZE: "int"})
 
     def score(self, state: CycleState, request: LLMRequest,
               endpoints: Sequence[Endpoint]) -> Sequence[float]:
@@ -41,6 +44,7 @@ class KVCacheUtilizationScorer(_NoParams):
     """1 − KV-cache usage (usage in 0..1; endpoints never scraped count as empty)."""
 
     type_name = "kv-cache-utilization-scorer"
+    consumes = MappingProxyType({fw.DATA_KEY_KV_CACHE_USAGE_PERCENT: "float64"})
 
     def score(self, state: CycleState, request: LLMRequest,
               endpoints: Sequence[Endpoint]) -> Sequence[float]:
@@ -58,6 +62,7 @@ class RunningRequestsSizeScorer(_NoParams):
     candidates, and endpoints never scraped count as 0 running."""
 
     type_name = "running-requests-size-scorer"
+    consumes = MappingProxyType({fw.DATA_KEY_RUNNING_REQUESTS_SIZE: "int"})
 
     def score(self, state: CycleState, request: LLMRequest,
               endpoints: Sequence[Endpoint]) -> Sequence[float]:

@@ -103,6 +103,9 @@ def test_plain_manifests(serve_flags: set[str], sim_flags: set[str]) -> None:
     assert rules == {(("",), ("pods",)): {"get", "list", "watch"},
                      (("inference.networking.k8s.io",), ("inferencepools",)):
                          {"get", "list", "watch"},
+                     (("inference.networking.x-k8s.io",),
+                      ("inferenceobjectives", "inferencemodelrewrites")):
+                         {"get", "list", "watch"},
                      (("scheduler.grove.io",), ("podgangs",)): {"get", "list", "watch"},
                      (("coordination.k8s.io",), ("leases",)): {"get", "create", "update"}}
     assert _by_kind(docs, "ClusterRole")[0]["rules"] == [
@@ -196,7 +199,9 @@ def test_helm_chart_renders_defaults(serve_flags: set[str]) -> None:
     assert pool["spec"]["targetPorts"] == [{"number": 8000}]
     role_resources = {r for rule in _by_kind(docs, "Role")[0]["rules"]
                       for r in rule["resources"]}
-    assert role_resources == {"pods", "inferencepools", "podgangs"}  # no Lease access without HA
+    # No Lease access without HA.
+    assert role_resources == {"pods", "inferencepools", "podgangs", "inferenceobjectives",
+                              "inferencemodelrewrites"}
 
 
 def test_helm_chart_renders_non_default_values(tmp_path: Path,

@@ -142,6 +142,37 @@ def test_prefix_cache_affinity_filter_keeps_sticky_endpoints() -> None:
     assert list(f0.filter({}, req(prompt=PROMPT), [a, b])) == [a, b]
 
 
+def test_prefix_cache_affinity_filter_ttft_load_gate() -> None:
+    """GIE's TTFT load gate: stickiness breaks when the best sticky endpoint's predicted
+    TTFT exceeds the best other one's by more than maxTTFTPenaltyMs (default 5000)."""
+    from epp.latency.types import LatencyPredictionInfo, set_prediction_infos
+
+    def info(ttft: float) -> LatencyPredictionInfo:
+        return LatencyPredictionInfo(True, True, 0.0, 0.0, ttft, 0.0)
+
+    f, producer = _affinity(0.8)
+    a, b, c = ep("10.0.0.1"), ep("10.0.0.2"), ep("10.0.0.3")
+    _route(producer, req(prompt=PROMPT), b)  # b is the sticky one
+
+    def run(infos: dict[str, LatencyPredictionInfo], penalty: float = 5000.0) -> list[Endpoint]:
+        f.max_ttft_penalty_ms = penalty
+        r = req(prompt=PROMPT)
+        set_prediction_infos(r, infos)
+        return list(f.filter({}, r, [a, b, c]))
+
+    assert run({}) == [b]  # no predictions: the gate holds
+    # Gap = best sticky (6000) - best other (900) = 5100 > 5000: broken, all stay.
+    assert run({b.key: info(6000), a.key: info(1200), c.key: info(900)}) == [a, b, c]
+    # Gap 4900: within the penalty, sticky only.
+    assert run({b.key: info(6000), a.key: info(1100), c.key: info(1300)}) == [b]
+    # A penalty of 0 turns the gate off.
+    assert run({b.key: info(60000), a.key: info(1)}, penalty=0) == [b]
+    # The sticky endpoint has no prediction, another has: GIE's max-float gap breaks it.
+    assert run({a.key: info(100)}) == [a, b, c]
+    # Only the sticky one has a prediction: the others count as infinitely slow.
+    assert run({b.key: info(60000)}) == [b]
+
+
 def test_prefix_cache_affinity_filter_explores() -> None:
     f, producer = _affinity(0.8, exploration=0.5, rng=random.Random(7))
     a, b = ep("10.0.0.1"), ep("10.0.0.2")

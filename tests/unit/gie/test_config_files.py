@@ -28,6 +28,7 @@ import yaml
 from epp.config.loader import BuiltConfig, build, parse_config
 from epp.datalayer.config import DataLayerConfig
 from epp.errors import ConfigError
+from epp.flowcontrol import FlowControlConfig
 from epp.framework.handle import PluginHandle
 from epp.framework.params import NoParameters
 from epp.framework.registry import Registry
@@ -324,8 +325,21 @@ def test_config_text_guide() -> None:
     built = load_both(blocks[7], f"{path}#7")
     assert built.saturation_detector is built.plugins["utilization-detector"]
     assert built.saturation_detector.queue_depth_threshold == 8  # type: ignore[attr-defined]
-    # Flow control: its own issue.
-    rejected(blocks[8], f"{path}#8", "flowControl: flow control is not supported yet")
+    # Flow control: the section alone is decoded and ignored (no feature gate, as in GIE);
+    # under the gate it is GIE's configuration.
+    built = load_both(blocks[8], f"{path}#8")
+    assert built.flow_control is None
+    assert any("flowControl: ignored" in w for w in built.warnings)
+    built = load_both("featureGates: [flowControl]\n" + blocks[8], f"{path}#8")
+    fc = built.flow_control
+    assert fc is not None
+    assert (fc.max_bytes, fc.default_request_ttl) == (10 * 2**30, 60.0)
+    assert (fc.default_priority_band.max_bytes, fc.default_priority_band.max_requests) == (
+        10 * 2**30, 5000)
+    band = fc.priority_bands[100]
+    assert (band.max_bytes, band.max_requests) == (5 * 2**30, 500)
+    assert band.ordering_policy is built.plugins["fcfs-ordering-policy"]
+    assert band.fairness_policy is built.plugins["global-strict-fairness-policy"]
     # Unresolved merge-conflict markers (the parser example of that section is the parser
     # README's, loaded below): not YAML, for GIE either.
     rejected(blocks[10], f"{path}#10", "not valid YAML at line 5, column 9")
@@ -390,6 +404,15 @@ def test_flow_control_guide_configs() -> None:
     detector = built.saturation_detector
     assert detector is built.plugins["concurrency-detector"]
     assert detector.max_concurrency == 110  # type: ignore[union-attr]
+    # The flowControl section of the guide, under the gate its first block turns on.
+    built = load_both("featureGates: [flowControl]\n" + blocks[3], f"{path}#3")
+    fc = built.flow_control
+    assert fc is not None
+    assert (fc.max_bytes, fc.default_request_ttl) == (1_000_000_000, 30.0)
+    band = fc.priority_bands[100]
+    assert band.max_bytes == 500_000_000
+    assert band.fairness_policy.type_name == "global-strict-fairness-policy"
+    assert band.ordering_policy.type_name == "fcfs-ordering-policy"
 
 
 def test_parsers_readme_config() -> None:
@@ -543,14 +566,22 @@ GO_CASES: dict[str, str] = {
     # GIE's empty-sources case passes its loader but fails its runner at startup.
     "successDataLayerNoSourcesText": "the data layer is on but has no data source",
 }
-# Flow control (its own issue): the section is not supported yet.
-GO_FLOW_CONTROL = {"successFlowControlConfigText", "successflowControlConfigDisabledText",
-                   "successComplexFlowControlConfigText", "errorFlowControlMissingPluginText",
-                   "errorFlowControlWrongPluginTypeText"}
+# Flow control: GIE's outcomes, checked in detail below.
+GO_FLOW_CONTROL = {
+    "successFlowControlConfigText": "ok",
+    "successflowControlConfigDisabledText": "ok",
+    "successComplexFlowControlConfigText": "ok",
+    "errorFlowControlMissingPluginText": "flowControl.priorityBands[0].orderingPolicyRef: no "
+                                         "plugin named 'non-existent-policy'",
+    "errorFlowControlWrongPluginTypeText": "flowControl.priorityBands[0].orderingPolicyRef: "
+                                           "'testScorer' (test-scorer) is not an ordering "
+                                           "policy",
+}
 
 
 def test_every_go_loader_case_is_covered() -> None:
-    assert set(go_consts()) == set(GO_CASES) | GO_FLOW_CONTROL | {"successFilterOrderConfigText"}
+    assert set(go_consts()) == set(GO_CASES) | set(GO_FLOW_CONTROL) | {
+        "successFilterOrderConfigText"}
 
 
 @pytest.mark.parametrize("name", sorted(GO_CASES))
@@ -564,9 +595,42 @@ def test_go_loader_case(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(GO_FLOW_CONTROL))
-def test_go_loader_flow_control_cases_wait_for_flow_control(name: str) -> None:
-    rejected(go_consts()[name], name, "flowControl: flow control is not supported yet",
-             registry=go_test_registry())
+def test_go_loader_flow_control_case(name: str) -> None:
+    text = go_consts()[name]
+    expected = GO_FLOW_CONTROL[name]
+    if expected == "ok":
+        load_both(text, name, go_test_registry())
+    else:
+        rejected(text, name, expected, registry=go_test_registry())
+
+
+def test_go_flow_control_cases_as_gie_checks_them() -> None:
+    """configloader_test.go's checks of its three flow-control successes."""
+    reg = go_test_registry()
+    consts = go_consts()
+    # The gate on: the section's values; the default policies injected under their type
+    # names and wired into the default band.
+    built = load(consts["successFlowControlConfigText"], "fc", reg)
+    fc = built.flow_control
+    assert isinstance(fc, FlowControlConfig)
+    assert (fc.max_bytes, fc.default_request_ttl) == (1024, 60.0)
+    for name in ("global-strict-fairness-policy", "fcfs-ordering-policy",
+                 "static-usage-limit-policy"):
+        assert built.plugins[name].type_name == name
+    assert fc.default_priority_band.ordering_policy is built.plugins["fcfs-ordering-policy"]
+    assert fc.default_priority_band.fairness_policy is built.plugins[
+        "global-strict-fairness-policy"]
+    # The section without the gate: decoded, not built.
+    built = load(consts["successflowControlConfigDisabledText"], "off", reg)
+    assert built.config.flow_control is not None and built.flow_control is None
+    # Declared policies under their own names.
+    built = load(consts["successComplexFlowControlConfigText"], "complex", reg)
+    assert built.flow_control is not None
+    band = built.flow_control.priority_bands[100]
+    assert (band.ordering_policy.name, band.ordering_policy.type_name) == (
+        "customFCFS", "fcfs-ordering-policy")
+    assert (band.fairness_policy.name, band.fairness_policy.type_name) == (
+        "customFairness", "global-strict-fairness-policy")
 
 
 def test_go_filter_order_case_keeps_declaration_order() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import re
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,13 +23,16 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from epp.config.loader import load_and_build
+from epp.config.loader import DEFAULT_CONFIG_TEXT, load_and_build
+from epp.datastore.objectives import ModelRewrite, Objective, RewriteRule, TargetModel
 from epp.datastore.store import Datastore
 from epp.errors import EppError, NoCapacity, ServiceUnavailable
+from epp.latency.types import TrainingEntry
 from epp.observability.metrics import EppMetrics
 from epp.observability.observer import ResponseStats
 from epp.parsing.usage import Usage
 from epp.requestcontrol.director import Director, SchedulingCore
+from epp.scheduling.plugins.latency_producer import PredictedLatencyProducer
 from epp.scheduling.types import ApiType, Endpoint, LLMRequest, Metrics
 from epp.server.options import (
     KubernetesSourceOptions,
@@ -70,8 +74,6 @@ FC = ("fairness_id", "priority")
 # Whether this EPP exports each one:
 EXPORTED = "exported"  # registered; series appear when GIE's would
 NO_SERIES = "registered, no series"  # registered; nothing here records it (docs say why)
-PREDICTOR = "pending: latency predictor"  # not registered: needs GIE's predictor plugins
-FLOW_CONTROL = "pending: flow control"  # not registered: belongs to the flow-control work
 
 # name -> (type, labels, buckets, help without the "[ALPHA] " prefix, status)
 GIE_METRICS: dict[str, tuple[str, tuple[str, ...], tuple[float, ...] | None, str, str]] = {
@@ -95,11 +97,11 @@ GIE_METRICS: dict[str, tuple[str, tuple[str, ...], tuple[float, ...] | None, str
     "inference_objective_request_predicted_ttft_seconds": (
         "histogram", MODEL, GENERAL,
         ("Inference model Predicted TTFT distribution in seconds for each model and target "
-         "model."), PREDICTOR),
+         "model."), EXPORTED),
     "inference_objective_request_ttft_prediction_duration_seconds": (
         "histogram", MODEL, PREDICTION,
         ("Duration taken to generate TTFT predictions in seconds for each model and target "
-         "model."), PREDICTOR),
+         "model."), EXPORTED),
     "inference_objective_request_tpot_seconds": (
         "histogram", MODEL, TPOT,
         "Inference model TPOT distribution in seconds for each model and target model.",
@@ -107,15 +109,15 @@ GIE_METRICS: dict[str, tuple[str, tuple[str, ...], tuple[float, ...] | None, str
     "inference_objective_request_predicted_tpot_seconds": (
         "histogram", MODEL, TPOT,
         ("Inference model Predicted TPOT distribution in seconds for each model and target "
-         "model."), PREDICTOR),
+         "model."), EXPORTED),
     "inference_objective_request_tpot_prediction_duration_seconds": (
         "histogram", MODEL, PREDICTION,
         ("Duration taken to generate TPOT predictions in seconds for each model and target "
-         "model."), PREDICTOR),
+         "model."), EXPORTED),
     "inference_objective_request_slo_violation_total": (
         "counter", (*MODEL, "type"), None,
         "Counter of SLO violations for each model, target model, and violation type.",
-        PREDICTOR),
+        EXPORTED),
     "inference_objective_request_duration_seconds": (
         "histogram", MODEL, GENERAL,
         ("Inference objective response latency distribution in seconds for each model and "
@@ -193,30 +195,30 @@ GIE_METRICS: dict[str, tuple[str, tuple[str, ...], tuple[float, ...] | None, str
     "inference_extension_flow_control_request_queue_duration_seconds": (
         "histogram", (*FC, "outcome", "inference_pool", *MODEL), FC_QUEUE,
         ("Distribution of total time requests spend in the Flow Control layer (from enqueue "
-         "to final outcome)."), FLOW_CONTROL),
+         "to final outcome)."), EXPORTED),
     "inference_extension_flow_control_dispatch_cycle_duration_seconds": (
         "histogram", (), SCHED,
         ("Distribution of time taken for each internal dispatch cycle in the Flow Control "
-         "layer."), FLOW_CONTROL),
+         "layer."), EXPORTED),
     "inference_extension_flow_control_request_enqueue_duration_seconds": (
         "histogram", (*FC, "outcome"), SCHED,
         "Distribution of time taken to enqueue requests into the Flow Control layer.",
-        FLOW_CONTROL),
+        EXPORTED),
     "inference_extension_flow_control_queue_size": (
         "gauge", (*FC, "inference_pool", *MODEL), None,
-        "Current number of requests actively held in the Flow Control queue.", FLOW_CONTROL),
+        "Current number of requests actively held in the Flow Control queue.", EXPORTED),
     "inference_extension_flow_control_queue_bytes": (
         "gauge", (*FC, "inference_pool", *MODEL), None,
         "Current total size in bytes of requests actively held in the Flow Control queue.",
-        FLOW_CONTROL),
+        EXPORTED),
     "inference_extension_flow_control_pool_saturation": (
         "gauge", ("inference_pool",), None,
         ("Current saturation level of the inference pool (0.0 = empty, 1.0 = fully "
-         "saturated)."), FLOW_CONTROL),
+         "saturated)."), EXPORTED),
     # --- model rewrite ---
     "inference_extension_model_rewrite_decisions_total": (
         "counter", ("model_rewrite_name", "model_name", "target_model"), None,
-        "Total number of inference model rewrite decisions.", NO_SERIES),
+        "Total number of inference model rewrite decisions.", EXPORTED),
 }
 
 
@@ -307,8 +309,7 @@ def test_table_is_gie_v1_5_0() -> None:
         assert GIE_METRICS[name][:4] == (kind, labels, buckets, help_), name
     # The counts docs/observability.md gives.
     statuses = [v[4] for v in GIE_METRICS.values()]
-    assert [statuses.count(s) for s in (EXPORTED, NO_SERIES, PREDICTOR, FLOW_CONTROL)] \
-        == [25, 1, 5, 6]
+    assert [statuses.count(s) for s in (EXPORTED, NO_SERIES)] == [37, 0]
 
 
 def test_docs_name_every_gie_metric() -> None:
@@ -329,11 +330,32 @@ def _chat(content: str = "hi", model: str = "llama", **extra: Any) -> bytes:
                          **extra})
 
 
-def _server(options: ServeOptions | None = None) -> ServerParts:
+def _server(options: ServeOptions | None = None, config: str | None = None) -> ServerParts:
     """The object graph `epp serve` wires (epp/server/wiring.py), nothing started."""
     timings = PluginTimings()
-    built = load_and_build(timer=timings)
+    built = load_and_build(None, config, timer=timings)
     return wire(validate(options or ServeOptions(static=TWO)), built, timings, None)
+
+
+# The built-in default config with GIE's latency predictor (its metrics need it), in
+# streaming mode: the streamed response of _traffic trains TTFT and TPOT.
+LATENCY_CONFIG = DEFAULT_CONFIG_TEXT.replace(
+    "plugins:\n", "plugins:\n- type: predicted-latency-producer\n"
+    "  parameters: {streamingMode: true}\n", 1)
+# … with flow control on (its six series), saturation from in-flight counts (no scrape
+# here: the utilization detector would read the unscraped pool as saturated).
+FLOW_CONTROL_CONFIG = LATENCY_CONFIG.replace(
+    "plugins:\n", "featureGates: [flowControl]\nplugins:\n- type: concurrency-detector\n",
+    1) + "saturationDetector: {pluginRef: concurrency-detector}\n"
+
+
+def _warm_predictor(parts: ServerParts) -> None:
+    """Past the in-process predictor's cold start, so requests get predictions."""
+    producer = parts.built.plugins["predicted-latency-producer"]
+    assert isinstance(producer, PredictedLatencyProducer)
+    producer.predictor.add_training_data_bulk(
+        [TrainingEntry(0.1, 10 + i, 0, 1, 0, 20.0 + i, 0.0, 0.0) for i in range(40)]
+        + [TrainingEntry(0.1, 10 + i, 0, 1, 0, 0.0, 2.0 + i / 10, 0.0) for i in range(40)])
 
 
 def scrape(metrics: EppMetrics) -> dict[str, Any]:
@@ -363,6 +385,13 @@ def sse(*events: dict[str, Any]) -> list[bytes]:
 async def _traffic(parts: ServerParts) -> None:
     """Requests through the wired Director, so every exportable series has a sample."""
     d = parts.director
+    # An InferenceModelRewrite rule picks the target model: a rewrite decision.
+    parts.objectives.set_rewrite(ModelRewrite("canary", (RewriteRule(
+        ("llama-canary",), (TargetModel("llama"),)),)))
+    r = await d.route(H, _chat(model="llama-canary"), True, None)
+    d.on_response_headers(r.context, 200, {"content-type": "application/json"})
+    d.on_response_body(r.context, b"{}", True)
+    d.on_done(r.context, aborted=False)
     # A JSON response with usage.
     r = await d.route(H, _chat(), True, None)
     d.on_response_headers(r.context, 200, {"content-type": "application/json"})
@@ -370,8 +399,10 @@ async def _traffic(parts: ServerParts) -> None:
         "prompt_tokens": 9, "completion_tokens": 4,
         "prompt_tokens_details": {"cached_tokens": 0}}}), True)
     d.on_done(r.context, aborted=False)
-    # A streamed response with usage (TTFT, TPOT); the same prompt (prefix hit).
-    r = await d.route(H, _chat(stream=True), True, None)
+    # A streamed response with usage (TTFT, TPOT); the same prompt (prefix hit). Its SLOs
+    # (for a latency-predictor config) are sure to be violated.
+    r = await d.route({**H, "x-slo-ttft-ms": "0.000001", "x-slo-tpot-ms": "0.000001"},
+                      _chat(stream=True), True, None)
     d.on_response_headers(r.context, 200, {"content-type": "text/event-stream"})
     chunks = sse({"choices": [{"delta": {"content": "a"}}]},
                  {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3}})
@@ -387,17 +418,21 @@ async def _traffic(parts: ServerParts) -> None:
 
 
 async def test_registry_has_gie_names_types_labels_and_buckets() -> None:
-    parts = _server()
-    await _traffic(parts)
+    parts = _server(config=FLOW_CONTROL_CONFIG)
+    _warm_predictor(parts)
+    assert parts.flow_control is not None
+    await parts.flow_control.start()
+    try:
+        await _traffic(parts)
+    finally:
+        await parts.flow_control.stop()
     fams = scrape(parts.metrics)
-    for name, (kind, labels, buckets, help_, status) in GIE_METRICS.items():
-        if status in (PREDICTOR, FLOW_CONTROL) and name not in fams:
-            continue  # not exported (docs/observability.md); if it ever is, it must match
+    for name, (kind, labels, buckets, help_, _status) in GIE_METRICS.items():
         assert name in fams, name
         f = fams[name]
         assert f.type == kind, name
         assert f.documentation == f"[ALPHA] {help_}", name
-        if status == NO_SERIES:
+        if _status == NO_SERIES:
             assert f.samples == [], name
             continue
         assert f.samples, f"{name}: no series after traffic"
@@ -408,15 +443,42 @@ async def test_registry_has_gie_names_types_labels_and_buckets() -> None:
             assert les == sorted([*map(float, buckets), math.inf]), name
     # The GIE metrics this EPP registers, and no other name outside the project's epp_*.
     gie_like = {n for n in fams if not n.startswith("epp_")}
-    assert gie_like == {n for n, v in GIE_METRICS.items() if v[4] in (EXPORTED, NO_SERIES)}
+    assert gie_like == set(GIE_METRICS)
 
 
-def test_model_rewrite_counter_has_gie_labels() -> None:
-    m = _server().metrics
-    m.model_rewrite_decisions.labels(model_rewrite_name="r", model_name="m",
-                                     target_model="t").inc()
+async def test_flow_control_series_only_under_the_gate() -> None:
+    """GIE's six flow-control series are registered when the flowControl gate is on (the
+    registry test above), and not at all without it (nothing would record them)."""
+    parts = _server(config=LATENCY_CONFIG)
+    assert parts.flow_control is None
+    _warm_predictor(parts)
+    await _traffic(parts)
+    fams = scrape(parts.metrics)
+    flow_control = {n for n in GIE_METRICS if n.startswith("inference_extension_flow_control_")}
+    assert len(flow_control) == 6
+    assert not flow_control & set(fams)
+    assert {n for n in fams if not n.startswith("epp_")} == set(GIE_METRICS) - flow_control
+
+
+async def test_model_rewrite_decisions_and_objective_priority() -> None:
+    """GIE's Director: RecordInferenceModelRewriteDecision(rewrite name, incoming model,
+    target model) for each rule-chosen target; the request counter's ``priority`` is the
+    InferenceObjective's (x-gateway-inference-objective), 0 without one."""
+    parts = _server()
+    m = parts.metrics
+    for ep in parts.store.snapshot():  # scraped now: not saturated (sheddable is admitted)
+        parts.store.update_metrics(ep.key, Metrics(updated_at=time.monotonic()))
+    parts.objectives.replace(
+        [Objective("critical", 10), Objective("sheddable", -1)],
+        [ModelRewrite("r", (RewriteRule(("m",), (TargetModel("t"),)),))])
+    for objective in ("critical", "sheddable", "unknown"):
+        await parts.director.route({**H, "x-gateway-inference-objective": objective},
+                                   _chat(model="m"), True, None)
     assert value(m, "inference_extension_model_rewrite_decisions_total",
-                 model_rewrite_name="r", model_name="m", target_model="t") == 1
+                 model_rewrite_name="r", model_name="m", target_model="t") == 3
+    for priority in ("10", "-1", "0"):
+        assert value(m, "inference_objective_request_total", model_name="m",
+                     target_model_name="t", priority=priority) == 1
 
 
 # ------------------------------------------------------------------ when series move
@@ -466,7 +528,7 @@ async def test_rejected_requests_count_no_request_and_no_size() -> None:
     # No candidates: the scheduler never ran, so no attempt (as GIE).
     assert samples(m, "inference_extension_scheduler_attempts_total") == []
     assert value(m, "inference_objective_request_error_total", model_name="llama",
-                 target_model_name="llama", error_code="503") == 1
+                 target_model_name="llama", error_code="ServiceUnavailable") == 1
 
 
 async def test_scheduler_attempts_success_and_failure() -> None:
@@ -558,7 +620,9 @@ async def test_error_response_has_a_size_and_an_error() -> None:
     d.on_done(r.context, aborted=False)
     assert value(m, "inference_objective_response_sizes_sum", **lab) == 12
     assert value(m, "inference_objective_request_ttft_seconds_count", **lab) is None
-    assert value(m, "inference_objective_request_error_total", **lab, error_code="500") == 1
+    # A model server's error response: GIE's ModelServerError.
+    assert value(m, "inference_objective_request_error_total", **lab,
+                 error_code="ModelServerError") == 1
 
 
 async def test_lean_shape_and_aborts_record_no_response_metrics() -> None:

@@ -90,3 +90,86 @@ async def test_plugin_timings_outside_a_decision_make_no_spans() -> None:
     assert not [s for s in spans if s.name.startswith("Scorer ")]
     (req,) = [s for s in spans if s.name == "epp.request"]
     assert req.attributes["epp.aborted"] is True and req.attributes["http.status_code"] == 0
+
+
+# --- set up as GIE's EPP sets it up (pkg/common/observability/tracing/telemetry.go) ---
+
+
+@pytest.mark.parametrize(("env", "want"), [
+    ({}, 0.1),
+    ({"OTEL_TRACES_SAMPLER_ARG": "0.5"}, 0.5),
+    ({"OTEL_TRACES_SAMPLER_ARG": "1"}, 1.0),
+    ({"OTEL_TRACES_SAMPLER_ARG": "lots"}, 0.1),
+    ({"OTEL_TRACES_SAMPLER": "always_on", "OTEL_TRACES_SAMPLER_ARG": "1"}, 0.1),
+])
+def test_sampler_ratio_as_gie(env: dict[str, str], want: float,
+                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from epp.observability.tracing import sampler_ratio
+    for k in ("OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert sampler_ratio() == want
+
+
+def _processor_exporter(tracing: Tracing) -> object:
+    # The SDK keeps its processors on a multi-processor; the BatchSpanProcessor wraps the
+    # exporter. Both are stable public-ish attributes of opentelemetry-sdk 1.x.
+    processors = tracing.provider._active_span_processor._span_processors
+    (batch,) = processors
+    return batch._batch_processor._exporter
+
+
+def test_default_exporter_is_console_with_gie_service_name_and_ratio(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+    for k in ("OTEL_TRACES_EXPORTER", "OTEL_SERVICE_NAME", "OTEL_TRACES_SAMPLER",
+              "OTEL_TRACES_SAMPLER_ARG"):
+        monkeypatch.delenv(k, raising=False)
+    tracing = Tracing()
+    try:
+        assert isinstance(_processor_exporter(tracing), ConsoleSpanExporter)
+        attrs = tracing.provider.resource.attributes
+        assert attrs["service.name"] == "gateway-api-inference-extension/epp"
+        assert "TraceIdRatioBased{0.1}" in tracing.provider.sampler.get_description()
+    finally:
+        tracing.shutdown()
+
+
+def test_otlp_exporter_is_grpc_to_gie_default_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    tracing = Tracing()
+    try:
+        exporter = _processor_exporter(tracing)
+        assert isinstance(exporter, OTLPSpanExporter)
+        assert exporter._endpoint == "localhost:4317"
+    finally:
+        tracing.shutdown()
+
+
+def test_unknown_exporter_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from epp.errors import ConfigError
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "zipkin")
+    with pytest.raises(ConfigError, match="OTEL_TRACES_EXPORTER='zipkin'"):
+        Tracing()
+
+
+async def test_unsampled_request_records_no_children() -> None:
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=ALWAYS_OFF)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    store = Datastore()
+    store.set_endpoints([Endpoint("p1", "10.0.0.1", 8000)])
+    built = load_and_build()
+    core = SchedulingCore(store, built.scheduler, EppMetrics(store), tracing=Tracing(provider))
+    d = Director(core)
+    r = await d.route({":path": "/v1/completions"}, orjson.dumps({"model": "m", "prompt": "x"}),
+                      True, None)
+    d.on_done(r.context, aborted=False)
+    tp = r.set_headers["traceparent"]  # the context still propagates, unsampled
+    assert int(tp.rsplit("-", 1)[1], 16) & 1 == 0  # the sampled flag is off
+    assert exporter.get_finished_spans() == ()

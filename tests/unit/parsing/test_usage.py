@@ -317,3 +317,42 @@ def test_sse_separator_straddling_chunks_completes_event() -> None:
     p.feed(b"\n")
     assert len(p._buf) == 0
     assert p.finish() == Usage(1, None, None)
+
+
+# --- lenient reading, as GIE's parser reads a chunk (line by line) ---
+
+
+def _sse(*chunks: bytes) -> Usage | None:
+    p = UsageParser(sse=True)
+    for c in chunks:
+        p.feed(c)
+    return p.finish()
+
+
+def test_sse_usage_without_blank_line_separators_gie_shape() -> None:
+    # GIE v1.5.0's hermetic case "streaming SSE token counting": unterminated events that
+    # meet at a chunk boundary, the usage line and [DONE] in one event.
+    got = _sse(b"data: {}",
+               b'data: {"usage":{"prompt_tokens":7,"total_tokens":17,'
+               b'"completion_tokens":10}}\ndata: [DONE]', b"")
+    assert got == Usage(prompt_tokens=7, completion_tokens=10, cached_tokens=None)
+
+
+def test_sse_usage_line_followed_by_done_in_one_event() -> None:
+    # vLLM's two entries in one event (GIE's comment in openai.go), no blank line between.
+    got = _sse(b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":4}}\n'
+               b"data: [DONE]\n\n")
+    assert got == Usage(prompt_tokens=3, completion_tokens=4, cached_tokens=None)
+
+
+def test_sse_lenient_reading_ignores_broken_values_and_keeps_last() -> None:
+    got = _sse(b'data: {"usage":{"prompt_tokens":1}}\ndata: {"usage": {broken\n'
+               b'data: {"usage":{"prompt_tokens":2,"completion_tokens":5}}\n\n')
+    assert got == Usage(prompt_tokens=2, completion_tokens=5, cached_tokens=None)
+    # A "data:" inside a JSON string is not a field boundary for the longer reading.
+    got = _sse(b'data: {"text":"data: x","usage":{"prompt_tokens":9}}data: [DONE]\n\n')
+    assert got == Usage(prompt_tokens=9, completion_tokens=None, cached_tokens=None)
+
+
+def test_sse_no_usage_object_stays_none() -> None:
+    assert _sse(b"data: {}data: {\"usage\": null}\ndata: [DONE]") is None

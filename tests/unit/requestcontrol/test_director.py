@@ -62,7 +62,8 @@ async def test_empty_subset_and_empty_pool_are_503() -> None:
         await d.route(H, CHAT, True, None)
     v = d.core.core.metrics.registry.get_sample_value(
         "inference_objective_request_error_total",
-        {"model_name": "llama", "target_model_name": "llama", "error_code": "503"})
+        {"model_name": "llama", "target_model_name": "llama",
+         "error_code": "ServiceUnavailable"})
     assert v == 2
 
 
@@ -295,7 +296,7 @@ async def test_a_plugin_crash_is_500_counted_and_not_recorded() -> None:
     assert e.value.status == 500
     assert core.metrics.registry.get_sample_value(
         "inference_objective_request_error_total",
-        {"model_name": "llama", "target_model_name": "llama", "error_code": "500"}) == 1
+        {"model_name": "llama", "target_model_name": "llama", "error_code": "Internal"}) == 1
     assert history.last() == []
 
 

@@ -557,6 +557,17 @@ def _check_config(args: argparse.Namespace) -> int:
             print(f"data source {src.source.name} -> {exts}")
     if built.parser_plugin is not None:
         print(f"parser: {built.parser_plugin.name}")
+    fc = built.flow_control
+    if fc is not None:
+        bands = ", ".join(
+            f"{b.priority} ({b.fairness_policy.name}, {b.ordering_policy.name})"
+            for b in sorted(fc.priority_bands.values(), key=lambda b: -b.priority))
+        d = fc.default_priority_band
+        print(f"flow control: bands {bands or '-'}; other priorities "
+              f"({d.fairness_policy.name}, {d.ordering_policy.name}); usage limit "
+              f"{fc.usage_limit_policy.name}; maxRequests {fc.max_requests or 'unlimited'}, "
+              f"maxBytes {fc.max_bytes or 'unlimited'}, TTL "
+              f"{f'{fc.default_request_ttl:g}s' if fc.default_request_ttl else 'none'}")
     print(f"{args.file}: OK")
     return 0
 

@@ -430,8 +430,23 @@ def parse_config(text: str, source: str = "<config>") -> EndpointPickerConfig:
     if "flowControl" in doc:
         # Decoded (strictly: unknown keys, bad quantities and durations fail) even when
         # the feature gate is off, as GIE decodes it; used only under the gate.
-        flow_control = parse_flow_control(doc["flowControl"], source)
-        warnings += flow_control.warnings
+        fc_raw = doc["flowControl"]
+        if isinstance(fc_raw, Mapping) and "saturationDetector" in fc_raw:
+            # llm-d-router v0.10.0's ``flowControl.saturationDetector`` (configloader.go:
+            # it wins over the deprecated top-level one); read whatever the gate says.
+            fsat = _mapping(source, "flowControl.saturationDetector",
+                            fc_raw["saturationDetector"])
+            _check_keys(source, "flowControl.saturationDetector", fsat, {"pluginRef"})
+            fref = fsat.get("pluginRef")
+            if fref is not None and not isinstance(fref, str):
+                raise _err(source, "flowControl.saturationDetector.pluginRef",
+                           f"expected a plugin name, got {fref!r}")
+            sat_ref = fref or None  # empty: utilization-detector
+            fc_raw = {k: v for k, v in fc_raw.items() if k != "saturationDetector"} or None
+        if fc_raw is not None or doc["flowControl"] is None:
+            # (only a saturationDetector: as no section, GIE's defaults under the gate)
+            flow_control = parse_flow_control(fc_raw, source)
+            warnings += flow_control.warnings
 
     return EndpointPickerConfig(source, tuple(plugins), tuple(profiles), gates, sat_ref,
                                 data_layer, parser, tuple(warnings), flow_control)

@@ -7,19 +7,27 @@ pulled out (functions, aggregations, keywords, strings, ranges, numbers and Graf
 ``$variables`` are told apart from metric names). They are compared with live scrapes of
 ``/metrics``: one of an EPP on the built-in default config after OK and failing requests
 through real Envoy, one of an EPP on config/pd.yaml (P/D decisions only exist with a P/D
-profile handler) after requests that produce both decision types. A name must have
+profile handler) after requests that produce both decision types, two of an EPP with the
+``flowControl`` feature gate (one while requests wait in its queue, one after a burst that
+was partly dispatched and partly rejected). A name must have
 samples in a scrape (a declared but empty family does not count); ``_bucket``/``_sum``/
 ``_count`` must belong to a histogram; every label a query filters or groups on must be on
 a series it reads. docs/observability.md must list every exported family.
+
+The "Flow control" row's panels must also return data: every selector of their queries,
+with ``$pool`` and ``$model`` set to the values the dashboard's variables would offer,
+matches a sample with a non-zero value in the flow-control scrapes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,11 +40,13 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from epp.stack.pd import PdStack, grove_layout, repo_config
+from epp.stack.procs import free_port
 from tests.integration.conftest import (
     MAX_BODY,
     ROOT,
     Upstreams,
     eventually,
+    start_sims,
     start_stack,
     stop_stack,
 )
@@ -375,14 +385,162 @@ async def _pd_stack_scrape(session: aiohttp.ClientSession, workdir: Path) -> str
     return text
 
 
+FC_CAPACITY = 3  # flowControl.maxRequests
+FC_CONFIG = f"""\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+featureGates: [flowControl]
+plugins:
+- type: concurrency-detector
+  parameters: {{maxConcurrency: 1}}
+- type: queue-scorer
+- type: max-score-picker
+saturationDetector:
+  pluginRef: concurrency-detector
+flowControl:
+  maxRequests: {FC_CAPACITY}
+  defaultRequestTTL: 60s
+"""
+FC_QUEUE_DURATION = "inference_extension_flow_control_request_queue_duration_seconds"
+
+
+async def _flow_control_scrapes(session: aiohttp.ClientSession, workdir: Path) -> list[str]:
+    """Flow control on (the feature gate) over one slow pod (100 ms per token) that takes
+    one request at a time and a queue of three: a burst of eight from two tenants, so that
+    requests wait in the queue (scraped then: queue size and bytes, saturation) and the
+    overflow is rejected with 429; scraped again when every request has its outcome."""
+    ports = [free_port()]
+    sim = await start_sims(ports, workdir / "sim.log", "--decode-base-ms", "100")
+    try:
+        s = await start_stack("FULL_DUPLEX_STREAMED", Upstreams(ports, sim), workdir,
+                              endpoint_ports=ports, config=FC_CONFIG)
+        try:
+            metrics_url = f"http://127.0.0.1:{s.epp.metrics_port}/metrics"
+
+            async def post(i: int) -> int:
+                body = orjson.dumps({"model": "fc-model", "prompt": "one two", "max_tokens": 5})
+                async with session.post(s.url + "/v1/completions", data=body, headers={
+                        "content-type": "application/json",
+                        "x-gateway-inference-fairness-id": f"tenant-{i % 2}"}) as r:
+                    await r.read()
+                    return r.status
+
+            n = 8
+            burst = [asyncio.ensure_future(post(i)) for i in range(n)]
+
+            async def queued() -> str | None:
+                text = await _scrape(session, metrics_url)
+                busy = (_value(text, "inference_extension_flow_control_queue_size") > 0
+                        and _value(text, "inference_extension_flow_control_queue_bytes") > 0
+                        and _value(text, "inference_extension_flow_control_pool_saturation") > 0)
+                return text if busy else None
+
+            try:
+                mid = await eventually(queued, timeout=10, interval=0.02,
+                                       what="requests waiting in flow control")
+            finally:
+                statuses = Counter(await asyncio.gather(*burst))
+
+            async def all_out() -> str | None:
+                text = await _scrape(session, metrics_url)
+                return text if _value(text, FC_QUEUE_DURATION + "_count") == n else None
+
+            end = await eventually(all_out, timeout=10, interval=0.1,
+                                   what=f"{n} flow-control outcomes")
+        finally:
+            await stop_stack(s)
+    finally:
+        await sim.stop()
+    # One served at once, three from the queue in turn, the overflow rejected (429), and
+    # the rejections counted with GIE's error code.
+    assert set(statuses) <= {200, 429} and statuses[200] >= 1 + FC_CAPACITY, statuses
+    assert statuses[429] >= 1, statuses
+    assert _value(end, FC_QUEUE_DURATION + "_count", outcome="Dispatched") == statuses[200]
+    assert _value(end, FC_QUEUE_DURATION + "_count", outcome="RejectedCapacity") == \
+        statuses[429]
+    assert _value(end, "inference_objective_request_error_total",
+                  error_code="ResourceExhausted") == statuses[429]
+    assert _value(end, "inference_extension_flow_control_queue_size") == 0
+    return [mid, end]
+
+
+_MATCHER = re.compile(r'(\w+)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"')
+
+
+def _selectors(expr: str) -> list[tuple[str, list[tuple[str, str, str]]]]:
+    """(metric, [(label, op, value)]) for every series selector of ``expr``."""
+    out = []
+    for name in parse_promql(expr).metrics:
+        for m in re.finditer(rf"(?<![\w:]){re.escape(name)}(?![\w:])(\{{[^}}]*\}})?", expr):
+            out.append((name, _MATCHER.findall(m.group(1) or "")))
+    return out
+
+
+def _matches(labels: dict[str, str], matchers: list[tuple[str, str, str]]) -> bool:
+    for label, op, value in matchers:
+        have = labels.get(label, "")
+        hit = (re.fullmatch(value, have) is not None) if op in ("=~", "!~") else have == value
+        if hit != (op in ("=", "=~")):
+            return False
+    return True
+
+
+def _variable_values(texts: list[str]) -> dict[str, str]:
+    """What the dashboard's ``$pool`` and ``$model`` offer for these scrapes, as the regex
+    Grafana puts in their place when all values are selected."""
+    dash = json.loads(DASHBOARD.read_text())
+    out: dict[str, str] = {}
+    for v in dash["templating"]["list"]:
+        if v["type"] != "query":
+            continue
+        query = v["query"]["query"] if isinstance(v["query"], dict) else v["query"]
+        m = re.fullmatch(r"label_values\((\w+),\s*(\w+)\)", query.strip())
+        assert m, query
+        values = {s.labels[m.group(2)] for text in texts
+                  for fam in text_string_to_metric_families(text) for s in fam.samples
+                  if s.name == m.group(1) and s.labels.get(m.group(2))}
+        assert values, f"variable {v['name']}: no values in the flow-control scrapes"
+        out[v["name"]] = "|".join(sorted(re.escape(x) for x in values))
+    return out
+
+
+def _flow_control_panels_without_data(texts: list[str]) -> list[str]:
+    dash = json.loads(DASHBOARD.read_text())
+    rows = [p for p in dash["panels"] if p["type"] == "row"]
+    row = next(p for p in rows if p["title"] == "Flow control")
+    below = [p["gridPos"]["y"] for p in rows if p["gridPos"]["y"] > row["gridPos"]["y"]]
+    end = min(below, default=1 << 30)
+    panels = [p for p in dash["panels"] if p["type"] != "row"
+              and row["gridPos"]["y"] < p["gridPos"]["y"] < end]
+    assert len(panels) >= 6, [p["title"] for p in panels]
+    variables = _variable_values(texts)
+    samples = [s for text in texts for fam in text_string_to_metric_families(text)
+               for s in fam.samples]
+    problems = []
+    for p in panels:
+        for t in p["targets"]:
+            expr = re.sub(r"\$\{?(\w+)\}?", lambda m: variables.get(m.group(1), m.group(0)),
+                          t["expr"])
+            for name, matchers in _selectors(expr):
+                if not any(s.name == name and s.value > 0 and _matches(s.labels, matchers)
+                           for s in samples):
+                    problems.append(f"panel {p['title']!r} {t['refId']}: {name}{matchers} "
+                                    "selects no non-zero sample")
+    return problems
+
+
 async def test_dashboard_and_alerts_use_only_exported_metrics(
         upstreams: Upstreams, session: aiohttp.ClientSession, tmp_path: Path) -> None:
     (tmp_path / "default").mkdir()
     default_text = await _default_stack_scrape(upstreams, session, tmp_path / "default")
     pd_text = await _pd_stack_scrape(session, tmp_path / "pd")
+    (tmp_path / "fc").mkdir()
+    fc_texts = await _flow_control_scrapes(session, tmp_path / "fc")
     exported = Exported()
     exported.add(default_text)
     exported.add(pd_text)
+    for text in fc_texts:
+        exported.add(text)
 
     queries = {**dashboard_queries(), **alert_queries()}
     assert len(queries) > 40
@@ -412,6 +570,7 @@ async def test_dashboard_and_alerts_use_only_exported_metrics(
         for label in q.grouping - labels_read:
             problems.append(f"{where}: groups by {label!r}, which none of "
                             f"{sorted(q.metrics)} has")
+    problems += _flow_control_panels_without_data(fc_texts)
     assert not problems, "\n".join(problems)
     # The dashboard covers the GIE metrics and the project's own that matter to operators.
     for family in ("inference_objective_request", "inference_objective_request_error",
@@ -425,7 +584,13 @@ async def test_dashboard_and_alerts_use_only_exported_metrics(
                    "inference_extension_scheduler_e2e_duration_seconds",
                    "inference_extension_plugin_duration_seconds", "inference_extension_info",
                    "epp_pd_decisions", "epp_extproc_streams", "epp_model_server_scrapes",
-                   "epp_model_server_metrics_stale_endpoints"):
+                   "epp_model_server_metrics_stale_endpoints",
+                   FC_QUEUE_DURATION,
+                   "inference_extension_flow_control_dispatch_cycle_duration_seconds",
+                   "inference_extension_flow_control_request_enqueue_duration_seconds",
+                   "inference_extension_flow_control_queue_size",
+                   "inference_extension_flow_control_queue_bytes",
+                   "inference_extension_flow_control_pool_saturation"):
         assert family in used, f"the dashboard and alerts do not use {family}"
 
     # docs/observability.md lists every exported family (the rows of the tables of its

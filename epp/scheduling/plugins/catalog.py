@@ -6,10 +6,12 @@ Only the config loader imports this module; plugins import the framework
 
 from __future__ import annotations
 
+from epp.flowcontrol.llmd import LLMD_FLOW_CONTROL_PLUGINS
 from epp.flowcontrol.plugins import FLOW_CONTROL_PLUGINS
 from epp.framework.registry import Registry
 from epp.parsing.parsers import BUILTIN_PARSERS
 from epp.scheduling.plugins import (
+    admitters,
     affinity,
     concurrency,
     conformance,
@@ -80,6 +82,8 @@ BUILTIN_PLUGINS: tuple[type, ...] = (
     datalayer.EndpointNotificationSource,
     datalayer.K8sNotificationSource,
     *FLOW_CONTROL_PLUGINS,  # GIE's flow-control policies (epp/flowcontrol/plugins.py)
+    *LLMD_FLOW_CONTROL_PLUGINS,  # llm-d-router's (epp/flowcontrol/llmd.py)
+    admitters.ProbabilisticAdmitter,  # llm-d-router's probabilistic-admitter
     *BUILTIN_PARSERS,  # openai-parser, passthrough-parser, vllmgrpc-parser, vllmhttp-parser
 )
 

@@ -369,3 +369,15 @@ def test_load_and_build_strict() -> None:
     assert load_and_build(text=text).warnings
     with pytest.raises(ConfigError, match=r"^--config-text: plugins\[0\]\.parameters\.x"):
         load_and_build(text=text, strict=True)
+
+
+def test_check_config_prints_flow_control(capsys: pytest.CaptureFixture[str]) -> None:
+    root = Path(__file__).resolve().parents[3]
+    assert main(["check-config", str(root / "config" / "flow-control.yaml")]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("flow control:"))
+    assert "100 (round-robin-fairness-policy, slo-deadline-ordering-policy)" in line
+    assert "maxRequests 5000" in line and "TTL 30s" in line
+    # Without the gate: no flow-control line.
+    assert main(["check-config", str(root / "config" / "default.yaml")]) == 0
+    assert "flow control:" not in capsys.readouterr().out

@@ -233,3 +233,54 @@ async def test_the_front_hands_store_frames_to_its_handler() -> None:
     reader.feed_eof()
     await core.closed.wait()
     assert got == [["M", export]]
+
+
+async def test_objective_created_changed_deleted_while_serving(fake: FakeApiServer,
+                                                              tmp_path: Path) -> None:
+    """Issue 16: in Kubernetes mode an InferenceObjective created, changed and deleted
+    while the EPP serves changes what its requests get. Without scraping the
+    utilization-detector reads the pool as saturated, so GIE's legacy admission sheds a
+    request whose objective is sheddable (priority < 0) and passes every other one."""
+    from epp import keys
+    from epp.errors import NoCapacity
+    fake.put_pool("pool", {"app": "vllm"}, [8000])
+    fake.put_pod("a", "10.0.0.1", labels={"app": "vllm"})
+    server = EppServer(ServeOptions(
+        listen=_listen(), observability=QUIET, scraping=ScrapingOptions(enabled=False),
+        kubernetes=KubernetesSourceOptions(
+            pool_name="pool", pool_namespace="default",
+            kubeconfig=str(fake.write_kubeconfig(tmp_path / "kc")))))
+    await server.start()
+    director = server.parts.director
+    headers = {":path": "/v1/completions", keys.HEADER_OBJECTIVE: "batch"}
+    body = orjson.dumps({"model": "llama", "prompt": "hi"})
+
+    async def outcome() -> int:
+        try:
+            routed = await director.route(headers, body, True, None)
+        except NoCapacity as e:
+            return e.status
+        director.on_done(routed.context, aborted=True)
+        return 200
+
+    def objective(priority: int) -> dict[str, Any]:
+        return {"metadata": {"name": "batch"},
+                "spec": {"priority": priority, "poolRef": {"name": "pool"}}}
+
+    try:
+        assert server.k8s_source is not None and await server.k8s_source.wait_ready(5)
+        assert await outcome() == 200  # unknown objective: priority 0, not sheddable
+        fake.put("inferenceobjectives", objective(-1))  # created: sheddable
+        await eventually(lambda: server.parts.objectives.priority("batch") == -1)
+        assert await outcome() == 429
+        fake.put("inferenceobjectives", objective(3))  # changed
+        await eventually(lambda: server.parts.objectives.priority("batch") == 3)
+        assert await outcome() == 200
+        fake.put("inferenceobjectives", objective(-2))
+        await eventually(lambda: server.parts.objectives.priority("batch") == -2)
+        assert await outcome() == 429
+        fake.delete("inferenceobjectives", "batch")  # deleted: GIE's default priority 0
+        await eventually(lambda: server.parts.objectives.priority("batch") == 0)
+        assert await outcome() == 200
+    finally:
+        await server.stop(0)

@@ -393,6 +393,7 @@ def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from epp.bench.overload import add_arguments as add_overload_arguments
     from epp.bench.quality import add_arguments
 
     p = sub.add_parser("bench", help="routing quality: one workload through the EPP and "
@@ -401,8 +402,14 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                        "this EPP behind Envoy, Envoy round robin, Envoy random and "
                        "sglang-router cache_aware, each with fresh simulated pods; report "
                        "TTFT, latency, prefix-cache hit rate against the offline ceiling, "
-                       "throughput, errors and per-pod share (table, JSON, PNG).")
+                       "throughput, errors and per-pod share (table, JSON, PNG). "
+                       "--workload overload instead bursts two tenants to 2x the pods' "
+                       "capacity through the EPP with flow control, without it (legacy "
+                       "admission) and round robin: the interactive tenant's TTFT, the "
+                       "batch tenant's dispatched/queued/shed requests, fairness between "
+                       "equal tenants, and every request accounted for.")
     add_arguments(p)
+    add_overload_arguments(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -589,9 +596,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "check-config":
         return _check_config(args)
     if args.command == "bench":
+        _setup_logging("warning")
+        if args.workload == "overload":
+            from epp.bench.overload import main as overload_main
+
+            return overload_main(args)
         from epp.bench.quality import main as bench_main
 
-        _setup_logging("warning")
         return bench_main(args)
     if args.command == "envoy-config":
         from epp.stack.envoy_config import main as envoy_config_main

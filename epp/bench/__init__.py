@@ -1,4 +1,5 @@
-"""``epp bench``: routing quality, side by side (docs/benchmarks.md, "Routing quality").
+"""``epp bench``: routing quality, side by side (docs/benchmarks.md, "Routing quality"),
+and admission under overload ("Overload: flow control").
 
 Modules, bottom up; each imports only modules above it in this list:
 
@@ -10,6 +11,10 @@ Modules, bottom up; each imports only modules above it in this list:
   (:mod:`epp.stack.procs`, :mod:`epp.stack.envoy`; the pods' costs from
   :mod:`epp.sim.options`), plays the trace (:func:`epp.stack.runner.stream_chat`),
   reports against the ceiling.
+- :mod:`epp.bench.overload` — ``--workload overload`` (``epp.cli`` hands it over): two
+  tenants with GIE's fairness and objective headers bursting to 2x the pool's capacity,
+  through the EPP with flow control (its config from :mod:`epp.config.loader`'s
+  default), without it, and round robin, on :mod:`epp.bench.quality`'s stacks.
 
 How the tools layer: :mod:`epp.stack` (processes, Envoy, the load runner, ``epp demo``)
 at the bottom and :mod:`epp.sim` beside it; this package uses both through public names

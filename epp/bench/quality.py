@@ -40,7 +40,15 @@ import aiohttp
 import yaml
 
 from epp.bench.ceiling import Replay, ceiling
-from epp.bench.traces import WORKLOADS, SimCosts, TraceRequest, capacity, default_shape, make_trace
+from epp.bench.traces import (
+    OVERLOAD_WORKLOAD,
+    WORKLOADS,
+    SimCosts,
+    TraceRequest,
+    capacity,
+    default_shape,
+    make_trace,
+)
 from epp.sim.config import SimConfig
 from epp.sim.options import build_parser, config_from_args
 from epp.stack.envoy import (
@@ -172,6 +180,8 @@ class Stack:
         self.ports = [free_port() for _ in range(servers)]
         self.pods = [f"sim-{p}" for p in self.ports]
         self.url = ""
+        #: The EPP's Prometheus port (router kind ``epp`` only; None for the others).
+        self.metrics_port: int | None = None
         self._stack = AsyncExitStack()
         self._procs: list[tuple[str, ManagedProcess | EnvoyProcess]] = []
 
@@ -195,6 +205,20 @@ class Stack:
     def log_tails(self) -> str:
         return "\n".join(f"--- {name} ---\n{p.log_tail(15)}" for name, p in self._procs)
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system) each process of the stack has used so far, by role:
+        ``epp``, ``envoy``, ``pods`` (summed), the router's own name otherwise. Linux
+        (/proc); empty elsewhere."""
+        out: dict[str, float] = {}
+        for name, proc in self._procs:
+            mp = proc.process if isinstance(proc, EnvoyProcess) else proc
+            secs = _cpu_seconds(mp.pid) if mp is not None and mp.pid is not None else None
+            if secs is None:
+                continue
+            role = "pods" if name.startswith("sim-") else name
+            out[role] = out.get(role, 0.0) + secs
+        return out
+
     async def _start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         sims = [self._managed(f"sim-{p}", [sys.executable, "-m", "epp.cli", "sim", "--model",
@@ -207,6 +231,7 @@ class Stack:
         gw = free_port()
         if kind == "epp":
             grpc_port, health_port, metrics_port = free_port(), free_port(), free_port()
+            self.metrics_port = metrics_port
             endpoints = self.workdir / "endpoints.yaml"
             endpoints.write_text(yaml.safe_dump({"endpoints": [
                 {"address": "127.0.0.1", "port": p, "name": f"sim-{p}"} for p in self.ports]}))
@@ -270,6 +295,19 @@ class Stack:
                 await asyncio.sleep(0.25)
         raise TimeoutError(f"{self.spec.label}: no successful request within {timeout:g}s "
                            f"({last})")
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """utime + stime of a process from /proc (None when it cannot be read)."""
+    import os
+
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        ticks = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / ticks
 
 
 async def pod_ttft(ports: Sequence[int]) -> tuple[float, int]:
@@ -773,8 +811,10 @@ def _nan_safe(o: object) -> object:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", choices=WORKLOADS, default="shared-prefix",
-                   help="request mix (default shared-prefix); see docs/benchmarks.md")
+    p.add_argument("--workload", choices=(*WORKLOADS, OVERLOAD_WORKLOAD),
+                   default="shared-prefix",
+                   help="request mix (default shared-prefix), or overload: admission and "
+                   "flow control under 2x overload; see docs/benchmarks.md")
     p.add_argument("--rate", type=float, default=0.0,
                    help="arrival rate in requests/s (Poisson); default: --load × the pods' "
                    "cold-cache capacity")
@@ -782,20 +822,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="without --rate: fraction of the estimated capacity (default 0.65)")
     p.add_argument("--duration", type=float, default=60.0,
                    help="seconds of arrivals per router (default 60)")
-    p.add_argument("--drain", type=float, default=30.0,
+    p.add_argument("--drain", type=float, default=None,
                    help="seconds to wait for requests in flight after the last arrival "
-                   "(default 30)")
+                   "(default 30; smoke 10; overload: --overload-s + 10, smoke + 5)")
     p.add_argument("--max-requests", type=int, default=None,
                    help="cap on requests per router (default: the trace's length)")
-    p.add_argument("--routers", default=",".join(ROUTERS),
+    p.add_argument("--routers", default=None,
                    help="comma-separated: epp (behind the lean gateway shape), "
                    "round-robin, random, sglang, epp=CONFIG, epp-inline[=CONFIG] (the EPP "
                    "behind GIE's shape, every response chunk through it), "
                    "epp-observer[=CONFIG] (the split response path) "
-                   f"(default {','.join(ROUTERS)})")
+                   f"(default {','.join(ROUTERS)}; smoke epp,round-robin,random); "
+                   "overload: epp-flow-control, epp-legacy, round-robin, random, "
+                   "epp=CONFIG (default epp-flow-control,epp-legacy,round-robin)")
     p.add_argument("--config", help="EndpointPickerConfig for the `epp` router "
                    "(default: built-in)")
-    p.add_argument("--servers", type=int, default=4, help="simulated pods (default 4)")
+    p.add_argument("--servers", type=int, default=None,
+                   help="simulated pods (default 4; smoke and overload 2)")
     p.add_argument("--sim-args", default="",
                    help=f"extra `epp sim` options, after the defaults ({BASE_SIM_ARGS} "
                    "--num-gpu-blocks per workload)")
@@ -812,16 +855,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    """The routing-quality workloads (``--workload overload`` is
+    :func:`epp.bench.overload.main`'s)."""
+    if args.workload == OVERLOAD_WORKLOAD:
+        print("epp bench: --workload overload is epp.bench.overload.main's", file=sys.stderr)
+        return 2
+    if any(getattr(args, k, None) is not None for k in ("baseline_s", "overload_s",
+                                                         "queue_ttl")):
+        print("epp bench: --baseline-s, --overload-s and --queue-ttl apply to --workload "
+              "overload only", file=sys.stderr)
+        return 2
+    if args.drain is None:
+        args.drain = 10.0 if args.smoke else 30.0
+    if args.servers is None:
+        args.servers = 2 if args.smoke else 4
+    if args.routers is None:
+        args.routers = "epp,round-robin,random" if args.smoke else ",".join(ROUTERS)
     if args.smoke:
         # Seconds, not minutes; only the routers that need nothing installed.
         if args.duration == 60.0:
             args.duration = 4.0
-        if args.drain == 30.0:
-            args.drain = 10.0
-        if args.routers == ",".join(ROUTERS):
-            args.routers = "epp,round-robin,random"
-        if args.servers == 4:
-            args.servers = 2
         if not args.rate:
             args.rate = 15.0
     if args.servers < 1 or args.duration <= 0 or args.repeat < 1:
@@ -838,4 +891,3 @@ def main(args: argparse.Namespace) -> int:
         return 130
     ok = all(m["ok"] > 0 for m in report["results"].values()) and report["results"]
     return 0 if ok else 1
-

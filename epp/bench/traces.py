@@ -37,6 +37,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 WORKLOADS: Final = ("shared-prefix", "multi-turn", "hot-spot", "mix")
+#: ``epp bench --workload overload``: not a trace of this module but two tenants over
+#: capacity (:mod:`epp.bench.overload`); named here, at the bottom, for the CLI.
+OVERLOAD_WORKLOAD: Final = "overload"
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 

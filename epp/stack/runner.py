@@ -14,7 +14,7 @@ import asyncio
 import re
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -24,6 +24,7 @@ from epp.stack.workload import Workload
 
 SERVER_HEADER = "x-sim-server"
 _CONTENT = re.compile(rb'"content":"[^"]')
+_JSON_HEADERS = {"content-type": "application/json"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,14 +94,17 @@ def _parse_sse(raw: bytes) -> tuple[str, int, int]:
 
 
 async def stream_chat(session: aiohttp.ClientSession, endpoint: str,
-                      body: dict[str, object]) -> tuple[Result, str]:
+                      body: dict[str, object],
+                      headers: Mapping[str, str] | None = None) -> tuple[Result, str]:
     """POST one streamed chat completion; (result, answer text). Never raises for HTTP or
-    connection errors: they come back as a :class:`Result` with ``status``/``error``."""
+    connection errors: they come back as a :class:`Result` with ``status``/``error``.
+    ``headers`` are sent besides the content type (e.g. GIE's fairness and objective
+    headers)."""
     t0 = time.monotonic()
     ttft = 0.0
+    hdrs = {"content-type": "application/json", **headers} if headers else _JSON_HEADERS
     try:
-        async with session.post(endpoint, data=orjson.dumps(body),
-                                headers={"content-type": "application/json"}) as r:
+        async with session.post(endpoint, data=orjson.dumps(body), headers=hdrs) as r:
             server = r.headers.get(SERVER_HEADER, "?")
             if r.status != 200:
                 await r.read()

@@ -357,7 +357,7 @@ def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                        description="Start real Envoy, simulated model servers and the EPP on "
                        "free local ports, run a realistic chat workload through the EPP and "
                        "through plain round robin, and print a side-by-side summary. Ctrl-C "
-                       "stops everything.")
+                       "(or SIGTERM, SIGHUP) stops everything.")
     p.add_argument("--servers", type=int, default=4, help="simulated model servers (default 4)")
     p.add_argument("--duration", type=float, default=15.0,
                    help="seconds of load per gateway (default 15)")
@@ -395,6 +395,7 @@ def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from epp.bench.overload import add_arguments as add_overload_arguments
     from epp.bench.quality import add_arguments
+    from epp.bench.sweep import add_arguments as add_sweep_arguments
 
     p = sub.add_parser("bench", help="routing quality: one workload through the EPP and "
                        "other routers, side by side (see docs/benchmarks.md)",
@@ -410,6 +411,7 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                        "equal tenants, and every request accounted for.")
     add_arguments(p)
     add_overload_arguments(p)
+    add_sweep_arguments(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -564,6 +566,10 @@ def _check_config(args: argparse.Namespace) -> int:
             print(f"data source {src.source.name} -> {exts}")
     if built.parser_plugin is not None:
         print(f"parser: {built.parser_plugin.name}")
+    for plugin in built.plugins.values():  # e.g. the precise prefix index's memory bound
+        summary = getattr(plugin, "config_summary", None)
+        if callable(summary):
+            print(summary())
     fc = built.flow_control
     if fc is not None:
         bands = ", ".join(
@@ -597,6 +603,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _check_config(args)
     if args.command == "bench":
         _setup_logging("warning")
+        if args.sweep or args.held_out:
+            from epp.bench.sweep import main as sweep_main
+
+            return sweep_main(args)
         if args.workload == "overload":
             from epp.bench.overload import main as overload_main
 

@@ -173,6 +173,7 @@ K8S_POOL_KIND: Final = "InferencePool"  # poolRef.kind's default
 # --- Per-request plugin state shared with the core (LLMRequest.plugin_state) ---
 PLUGIN_STATE_PREFIX_HIT_RATIO: Final = "prefix-cache.hit-ratio"
 PLUGIN_STATE_PREFIX_HIT_BYTES: Final = "prefix-cache.hit-bytes"  # matched blocks × block chars
+PLUGIN_STATE_REQUEST_BODY: Final = "request.body"  # the decoded JSON body (a dict), when there is one
 # The latency-predictor plugins (epp/latency): per-endpoint predictions
 # ({endpoint key: LatencyPredictionInfo}, GIE's LatencyPredictionInfoKey attribute), and what
 # they hand the metrics observer (prediction durations; predicted latencies and SLO checks).

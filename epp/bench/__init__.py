@@ -15,6 +15,11 @@ Modules, bottom up; each imports only modules above it in this list:
   tenants with GIE's fairness and objective headers bursting to 2x the pool's capacity,
   through the EPP with flow control (its config from :mod:`epp.config.loader`'s
   default), without it, and round robin, on :mod:`epp.bench.quality`'s stacks.
+- :mod:`epp.bench.shapes` — ``--sweep``'s family of workload shapes, drawn per seed (with
+  a held-out set), their traces, pool sizes and rates (above: traces).
+- :mod:`epp.bench.sweep` — ``--sweep N`` / ``--held-out`` (``epp.cli`` hands it over):
+  every router on every shape with fresh pods, against each shape's ceiling, with the
+  issue's target checks per router ("Sweep").
 
 How the tools layer: :mod:`epp.stack` (processes, Envoy, the load runner, ``epp demo``)
 at the bottom and :mod:`epp.sim` beside it; this package uses both through public names

@@ -25,6 +25,7 @@ import json
 import math
 import shlex
 import statistics
+import string
 import subprocess
 import sys
 import tempfile
@@ -60,7 +61,13 @@ from epp.stack.envoy import (
     render_envoy_config,
     without_ext_proc,
 )
-from epp.stack.procs import LOCAL_SERVE_FLAGS, ManagedProcess, free_port, wait_port
+from epp.stack.procs import (
+    LOCAL_SERVE_FLAGS,
+    ManagedProcess,
+    free_port,
+    sim_kv_events_args,
+    wait_port,
+)
 from epp.stack.runner import Result, stream_chat
 
 MODEL: Final = "sim-model"
@@ -79,6 +86,8 @@ SMOKE_NUM_GPU_BLOCKS: Final = 64
 # Targets of issue 4.
 TARGET_HIT_VS_BOUND: Final = 0.95
 TARGET_TTFT_P90_VS_RR_SHARED_PREFIX: Final = 0.75
+# Targets of issue 15 (precise prefix routing), on the capacity-bound shared-prefix load.
+TARGET_PRECISE_HIT_VS_STATIC: Final = 0.98
 
 
 # ----------------------------------------------------------------- routers
@@ -94,6 +103,58 @@ EPP_OBSERVER: Final = "epp-observer"
 #: EPP router name → the Envoy gateway shape it runs behind.
 EPP_ROUTERS: Final[dict[str, str]] = {"epp": RESPONSE_PATH_LEAN, EPP_INLINE: RESPONSE_PATH_INLINE,
                                       EPP_OBSERVER: RESPONSE_PATH_OBSERVER}
+#: The EPP with precise prefix-cache routing (issue 15), behind the lean shape: its pods
+#: publish vLLM KV events (each on its HTTP port + N), and the EPP runs
+#: :data:`PRECISE_CONFIG` (or ``epp-precise=FILE``), with ``${TOKENIZE_URL}`` and
+#: ``${KV_EVENTS_PORT_OFFSET}`` (N) filled in. The token-producer calls ``/tokenize`` on
+#: one more ``epp sim`` that serves no traffic — the tokenizer sidecar of llm-d's
+#: deployments (its perf config runs a vLLM render server beside the EPP).
+EPP_PRECISE: Final = "epp-precise"
+#: The built-in default config with the approximate producer replaced by the precise one
+#: (same scorers, same weights), speculative indexing on as llm-d's perf config, and the
+#: approximate producer's balance guard (``balanceAbsThreshold``, this project's).
+PRECISE_CONFIG: Final = f"""\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: token-producer
+  parameters:
+    modelName: {MODEL}
+    vllm: {{url: "${{TOKENIZE_URL}}", timeout: 300ms}}
+- type: endpoint-notification-source
+- type: metrics-data-source
+- type: core-metrics-extractor
+- type: precise-prefix-cache-producer
+  parameters:
+    tokenProcessorConfig: {{blockSizeTokens: 16}}
+    speculativeIndexing: true
+    balanceAbsThreshold: 4
+    kvEventsConfig:
+      podDiscoveryConfig: {{endpointPortOffset: ${{KV_EVENTS_PORT_OFFSET}}}}
+- type: prefix-cache-scorer
+  parameters: {{prefixMatchInfoProducerName: precise-prefix-cache-producer}}
+- type: active-request-scorer
+- type: no-hit-lru-scorer
+  parameters: {{prefixMatchInfoProducerName: precise-prefix-cache-producer}}
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: max-score-picker
+dataLayer:
+  sources:
+  - pluginRef: metrics-data-source
+    extractors: [{{pluginRef: core-metrics-extractor}}]
+  - pluginRef: endpoint-notification-source
+    extractors: [{{pluginRef: precise-prefix-cache-producer}}]
+schedulingProfiles:
+- name: default
+  plugins:
+  - {{pluginRef: prefix-cache-scorer, weight: 3}}
+  - {{pluginRef: active-request-scorer, weight: 1}}
+  - {{pluginRef: no-hit-lru-scorer, weight: 1}}
+  - {{pluginRef: queue-scorer, weight: 1}}
+  - {{pluginRef: kv-cache-utilization-scorer, weight: 1}}
+  - {{pluginRef: max-score-picker}}
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +163,8 @@ class RouterSpec:
     label: str
     config: str | None = None
     response_path: str = DEFAULT_RESPONSE_PATH
+    #: The pods publish KV events and the EPP's config is a template (``epp-precise``).
+    kv_events: bool = False
 
 
 def parse_routers(text: str, config: str | None) -> list[RouterSpec]:
@@ -114,10 +177,15 @@ def parse_routers(text: str, config: str | None) -> list[RouterSpec]:
         if not item:
             continue
         kind, _, path = item.partition("=")
+        if kind == EPP_PRECISE:
+            out.append(RouterSpec("epp", f"{kind}:{Path(path).stem}" if path else kind,
+                                  str(Path(path).resolve()) if path else None,
+                                  RESPONSE_PATH_LEAN, kv_events=True))
+            continue
         if kind not in ROUTERS and kind not in EPP_ROUTERS:
             raise ValueError(f"unknown router {kind!r}; expected {', '.join(ROUTERS)} "
                              f"(or epp=CONFIG_FILE, {EPP_INLINE}[=CONFIG_FILE], "
-                             f"{EPP_OBSERVER}[=CONFIG_FILE])")
+                             f"{EPP_OBSERVER}[=CONFIG_FILE], {EPP_PRECISE}[=CONFIG_FILE])")
         if path and kind not in EPP_ROUTERS:
             raise ValueError(f"only epp takes a config file, got {item!r}")
         if kind in EPP_ROUTERS:
@@ -171,10 +239,20 @@ class Stack:
     """One router and its fresh pods; ``url`` is where clients send requests."""
 
     def __init__(self, spec: RouterSpec, servers: int, sim_args: list[str], workdir: Path,
-                 epp_args: Sequence[str] = ()) -> None:
+                 epp_args: Sequence[str] = (), *,
+                 pod_args: Sequence[Sequence[str]] | None = None,
+                 share_processes: bool = False) -> None:
+        """``pod_args``: extra ``epp sim`` arguments per pod, after ``sim_args`` (e.g. a
+        pod's own costs). ``share_processes``: pods with the same arguments run in one
+        ``epp sim`` process (one engine and port each) instead of one process per pod,
+        which saves CPU and start-up time when there are many."""
+        if pod_args is not None and len(pod_args) != servers:
+            raise ValueError(f"pod_args has {len(pod_args)} entries for {servers} pods")
         self.spec = spec
         self.servers = servers
         self.sim_args = sim_args
+        self.pod_args = [list(a) for a in pod_args] if pod_args else [[] for _ in range(servers)]
+        self.share_processes = share_processes
         self.workdir = workdir
         self.epp_args = list(epp_args)
         self.ports = [free_port() for _ in range(servers)]
@@ -221,11 +299,37 @@ class Stack:
 
     async def _start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        sims = [self._managed(f"sim-{p}", [sys.executable, "-m", "epp.cli", "sim", "--model",
-                                           MODEL, *self.sim_args, "--port", str(p)])
-                for p in self.ports]
+        events: list[str] = []
+        if self.spec.kv_events:
+            events, offset = sim_kv_events_args(self.ports)
+            tok_port = free_port()
+            tokenizer = self._managed("tokenizer", [
+                sys.executable, "-m", "epp.cli", "sim", "--model", MODEL, *self.sim_args,
+                "--port", str(tok_port)])
+            await tokenizer.start()
+            text = (Path(self.spec.config).read_text() if self.spec.config
+                    else PRECISE_CONFIG)
+            try:
+                text = string.Template(text).substitute(
+                    TOKENIZE_URL=f"http://127.0.0.1:{tok_port}",
+                    KV_EVENTS_PORT_OFFSET=str(offset))
+            except (KeyError, ValueError) as e:
+                raise ValueError(f"{self.spec.config}: only ${{TOKENIZE_URL}} and "
+                                 f"${{KV_EVENTS_PORT_OFFSET}} may be filled in ({e})") from None
+            precise_config = self.workdir / "precise.yaml"
+            precise_config.write_text(text)
+        batches: dict[tuple[str, ...], list[int]] = {}
+        for i, (p, extra) in enumerate(zip(self.ports, self.pod_args, strict=True)):
+            key = tuple(extra) if self.share_processes else (str(i), *extra)
+            batches.setdefault(key, []).append(p)
+        sims = [self._managed(f"sim-{ports[0]}", [
+            sys.executable, "-m", "epp.cli", "sim", "--model", MODEL, *self.sim_args,
+            *self.pod_args[self.ports.index(ports[0])], *events,
+            *(a for p in ports for a in ("--port", str(p)))]) for ports in batches.values()]
         await asyncio.gather(*(s.start() for s in sims))
         await asyncio.gather(*(wait_port("127.0.0.1", p, timeout=30) for p in self.ports))
+        if self.spec.kv_events:
+            await wait_port("127.0.0.1", tok_port, timeout=30)
         addrs = [f"127.0.0.1:{p}" for p in self.ports]
         kind = self.spec.kind
         gw = free_port()
@@ -239,7 +343,9 @@ class Stack:
                     "--grpc-port", str(grpc_port), "--grpc-health-port", str(health_port),
                     "--metrics-port", str(metrics_port), "--endpoints-file", str(endpoints),
                     "--log-level", "warning", *self.epp_args]
-            if self.spec.config:
+            if self.spec.kv_events:
+                argv += ["--config-file", str(precise_config)]
+            elif self.spec.config:
                 argv += ["--config-file", self.spec.config]
             epp = self._managed("epp", argv)
             await epp.start()
@@ -477,7 +583,8 @@ _MEDIAN_KEYS: Final = ("ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_m
 def median_of(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Per-metric medians over rounds (sums for counts)."""
     out: dict[str, Any] = {k: statistics.median(r[k] for r in rounds) for k in _MEDIAN_KEYS}
-    for k in ("pod_ttft_mean_ms", "gateway_ttft_overhead_ms"):
+    for k in ("pod_ttft_mean_ms", "gateway_ttft_overhead_ms", "index_entries",
+              "index_memory_bytes"):
         if all(k in r for r in rounds):
             out[k] = statistics.median(r[k] for r in rounds)
     for k in ("requests", "ok", "errors", "not_sent_or_cut"):
@@ -502,15 +609,19 @@ def median_of(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def verdicts(workload: str, results: dict[str, dict[str, Any]], bound: float
-             ) -> list[dict[str, Any]]:
-    """The issue's targets, checked for every EPP router that ran."""
+def verdicts(workload: str, results: dict[str, dict[str, Any]], bound: float,
+             static: float | None = None) -> list[dict[str, Any]]:
+    """The issue's targets, checked for every EPP router that ran (``static``: the
+    static-affinity ceiling's hit rate, for issue 15's precise-routing targets)."""
     out: list[dict[str, Any]] = []
     rr = results.get("round-robin")
     sg = results.get("sglang")
+    approx = results.get("epp")
     for label, m in results.items():
         if not label.startswith("epp"):
             continue
+        if label.startswith(EPP_PRECISE):
+            out += _precise_verdicts(workload, label, m, static, sg, approx)
         ratio = m["hit_rate"] / bound if bound else float("nan")
         out.append({"router": label, "target": f"hit rate >= {TARGET_HIT_VS_BOUND:.0%} of "
                     "the ceiling", "value": ratio, "met": ratio >= TARGET_HIT_VS_BOUND})
@@ -527,6 +638,47 @@ def verdicts(workload: str, results: dict[str, dict[str, Any]], bound: float
             r = p90 / rr["ttft_p90_ms"]
             out.append({"router": label, "target": "TTFT p90 <= round-robin's",
                         "value": r, "met": r <= 1.0})
+    return out
+
+
+def _precise_verdicts(workload: str, label: str, m: dict[str, Any], static: float | None,
+                      sg: dict[str, Any] | None, approx: dict[str, Any] | None
+                      ) -> list[dict[str, Any]]:
+    """Issue 15: on shared-prefix (capacity-bound) hit rate >= 98% of static affinity's
+    and TTFT p90 below sglang's; everywhere no worse than the approximate ``epp``."""
+    out: list[dict[str, Any]] = []
+    p90 = m["ttft_p90_ms"]
+    if workload == "shared-prefix" and static:
+        r = m["hit_rate"] / static
+        out.append({"router": label, "target": f"hit rate >= {TARGET_PRECISE_HIT_VS_STATIC:.0%}"
+                    " of static affinity's", "value": r, "met": r >= TARGET_PRECISE_HIT_VS_STATIC})
+    if workload == "shared-prefix" and sg:
+        r = p90 / sg["ttft_p90_ms"]
+        out.append({"router": label, "target": "TTFT p90 < sglang cache_aware's",
+                    "value": r, "met": r < 1.0})
+    if approx:
+        r = p90 / approx["ttft_p90_ms"]
+        out.append({"router": label, "target": "TTFT p90 <= approximate (epp)'s",
+                    "value": r, "met": r <= 1.0})
+        r = m["hit_rate"] / approx["hit_rate"] if approx["hit_rate"] else float("nan")
+        out.append({"router": label, "target": "hit rate >= approximate (epp)'s",
+                    "value": r, "met": r >= 1.0})
+    return out
+
+
+async def index_memory(metrics_port: int) -> dict[str, float]:
+    """The precise producer's index size from the EPP's /metrics: entries and estimated
+    bytes (``llm_d_router_epp_kv_cache_index_entries`` / ``_memory_bytes``)."""
+    want = {"llm_d_router_epp_kv_cache_index_entries": "index_entries",
+            "llm_d_router_epp_kv_cache_index_memory_bytes": "index_memory_bytes"}
+    out: dict[str, float] = {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s, \
+            s.get(f"http://127.0.0.1:{metrics_port}/metrics") as r:
+        text = await r.text()
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in want:
+            out[want[name]] = out.get(want[name], 0.0) + float(line.rsplit(" ", 1)[1])
     return out
 
 
@@ -561,6 +713,11 @@ def table(report: dict[str, Any]) -> str:
         ("pod shares %, busiest", lambda m: "/".join(f"{100 * v:.0f}"
                                                       for v in m["share_sorted"])),
     ]
+    if any("index_entries" in m for m in results.values()):
+        rows += [("index entries", lambda m: f"{m['index_entries']:.0f}"
+                  if "index_entries" in m else "-"),
+                 ("index memory MiB", lambda m: f"{m['index_memory_bytes'] / 2**20:.2f}"
+                  if "index_memory_bytes" in m else "-")]
     c = report["ceiling"]
     w = max(w, 14)
     lines = [(f"workload {report['workload']}: {report['offered_rps']:.2f} req/s offered "
@@ -757,6 +914,8 @@ async def run_bench(args: argparse.Namespace, log: Callable[[str], None] = print
                     # The readiness probe is one of pcount; its TTFT is ~0.
                     m["pod_ttft_mean_ms"] = 1000 * psum / max(1, pcount - 1)
                     m["gateway_ttft_overhead_ms"] = m["ttft_mean_ms"] - m["pod_ttft_mean_ms"]
+                    if spec.kv_events and stack.metrics_port is not None:
+                        m.update(await index_memory(stack.metrics_port))
                     if m["ok"] == 0:
                         log(stack.log_tails())
             except (OSError, RuntimeError, TimeoutError) as e:
@@ -782,7 +941,8 @@ async def run_bench(args: argparse.Namespace, log: Callable[[str], None] = print
         "sim_args": sim_args, "routers": {r.label: asdict(r) for r in routers},
         "ceiling": _ceiling_json(c), "results": results,
         "per_round": rounds, "skipped": skipped,
-        "verdicts": verdicts(args.workload, results, bound),
+        "verdicts": verdicts(args.workload, results, bound,
+                             static=c["static-affinity"].hit_rate),
         "machine": {"python": sys.version.split()[0], "cpus": _cpus()},
     }
     (out_dir / "results.json").write_text(json.dumps(report, indent=2, default=_nan_safe))
@@ -831,7 +991,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated: epp (behind the lean gateway shape), "
                    "round-robin, random, sglang, epp=CONFIG, epp-inline[=CONFIG] (the EPP "
                    "behind GIE's shape, every response chunk through it), "
-                   "epp-observer[=CONFIG] (the split response path) "
+                   "epp-observer[=CONFIG] (the split response path), epp-precise[=CONFIG] "
+                   "(precise prefix routing: pods publishing KV events; docs/benchmarks.md) "
                    f"(default {','.join(ROUTERS)}; smoke epp,round-robin,random); "
                    "overload: epp-flow-control, epp-legacy, round-robin, random, "
                    "epp=CONFIG (default epp-flow-control,epp-legacy,round-robin)")

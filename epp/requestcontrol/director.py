@@ -652,6 +652,8 @@ def build_request(headers: Mapping[str, str], body: bytes, has_body: bool,
         fairness_id=headers.get(keys.HEADER_FAIRNESS_ID),
         session_token=headers.get(keys.HEADER_SESSION_TOKEN),
     )
+    if parsed is not None and parsed.data is not None:  # for token-producer (chat templates)
+        request.plugin_state[keys.PLUGIN_STATE_REQUEST_BODY] = parsed.data
     return request, parsed
 
 

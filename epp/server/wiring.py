@@ -160,6 +160,10 @@ def wire(plan: ServePlan, built: BuiltConfig, timings: PluginTimings,
     if owners:
         metrics.track_prefix_index_size(
             lambda: float(sum(p.prefix_index_size() for p in owners)))
+    for owner in built.plugins.values():  # plugins with their own series (precise prefix)
+        collector = getattr(owner, "metrics_collector", None)
+        if callable(collector):
+            metrics.registry.register(collector())
     core_type = (SubsetIgnoringCore if o.routing.disable_endpoint_subset_filter
                  else SchedulingCore)
     core = core_type(store, built.scheduler, metrics, built.pre_request,

@@ -2,12 +2,16 @@
 users' experiments (docs/simulator.md).
 
 Modules, bottom up; each imports only modules above it in this list (and ``epp.keys``,
-``epp.discovery.static``, ``epp.errors``):
+``epp.discovery.static``, ``epp.errors``, ``epp.kvcache.hashing``):
 
 - :mod:`epp.sim.config` — :class:`~epp.sim.config.SimConfig`, every model parameter.
-- :mod:`epp.sim.tokens` — the whitespace-word tokenizer.
+- :mod:`epp.sim.tokens` — the whitespace-word tokenizer and ``--tokenizer`` (Hugging
+  Face ``tokenizers`` + a Jinja2 chat template).
 - :mod:`epp.sim.topology` — pods' topology, peer distances (KV-transfer pricing).
-- :mod:`epp.sim.kvcache` — KV blocks, chained block hashes, the LRU prefix cache.
+- :mod:`epp.sim.kvevents` — vLLM's KV events: schema, msgpack encoding, the ZMQ
+  publisher and replay socket, ``--kv-events-config``.
+- :mod:`epp.sim.kvcache` — KV blocks, vLLM's block hashes (:mod:`epp.kvcache.hashing`),
+  the LRU prefix cache and its events.
 - :mod:`epp.sim.stats`, :mod:`epp.sim.engine` — the latency model: continuous batching,
   chunked prefill, preemption, LoRA slots, an asyncio step loop per server.
 - :mod:`epp.sim.metrics` — vLLM-named Prometheus metrics.

@@ -20,6 +20,11 @@ Contracts
 - ``GET /debug/state`` returns the configuration and the engine's state.
 - ``/metrics``: vLLM metric names (:mod:`epp.sim.metrics`). ``/health``: 200, or 503
   during slow start. ``/v1/models``: the base model and each LoRA adapter.
+  ``/tokenize``: vLLM's (:func:`epp.sim.openai_api.tokenize`).
+- ``POST /reset_prefix_cache``: vLLM's; forgets the evictable cached blocks and
+  publishes the KV event for it.
+- With an :class:`~epp.sim.kvevents.EventPublisher`, its sockets open when the app
+  starts (a taken port fails the startup) and close on cleanup.
 """
 
 from __future__ import annotations
@@ -33,9 +38,17 @@ from aiohttp import web
 
 from epp.sim.config import DEFAULT_MODEL, SimConfig
 from epp.sim.engine import Engine
+from epp.sim.kvevents import EventPublisher
 from epp.sim.metrics import CONTENT_TYPE as _PROMETHEUS
 from epp.sim.metrics import build_registry, render
-from epp.sim.openai_api import chat_completions, completions, embeddings, models, responses
+from epp.sim.openai_api import (
+    chat_completions,
+    completions,
+    embeddings,
+    models,
+    responses,
+    tokenize,
+)
 from epp.sim.state import (
     RECORD_KEY,
     SIM_SERVER_HEADER,
@@ -47,7 +60,7 @@ from epp.sim.state import (
     json_response,
     local_port,
 )
-from epp.sim.tokens import BadRequest
+from epp.sim.tokens import BadRequest, SimTokenizer, WordTokenizer
 from epp.sim.topology import PeerTopology
 
 __all__ = ["build_app"]
@@ -124,6 +137,12 @@ async def debug_requests_clear(request: web.Request) -> web.StreamResponse:
     return web.Response(status=204)
 
 
+async def reset_prefix_cache(request: web.Request) -> web.StreamResponse:
+    """POST /reset_prefix_cache: forget the evictable cached blocks (vLLM's route)."""
+    request.app[STATE_KEY].engine.reset_prefix_cache()
+    return web.Response(status=200)
+
+
 async def debug_state(request: web.Request) -> web.StreamResponse:
     """GET /debug/state: name, model, role, parameters and the engine's state."""
     state = request.app[STATE_KEY]
@@ -154,6 +173,8 @@ def build_app(
     address: str = "127.0.0.1",
     topology: dict[str, str] | None = None,
     peers: PeerTopology | None = None,
+    tokenizer: SimTokenizer | None = None,
+    events: EventPublisher | None = None,
 ) -> web.Application:
     """One simulated pod named ``name`` serving ``model`` with ``config`` (defaults:
     :class:`SimConfig`).
@@ -168,11 +189,14 @@ def build_app(
     POST before it reaches the engine; the request is not running or waiting meanwhile. The app's state is at
     ``app[STATE_KEY]`` (:class:`SimState`); its engine starts with the app and stops on
     shutdown, failing pending requests.
+
+    ``tokenizer`` turns prompts into token ids (default: whitespace words); ``events``
+    publishes the pod's KV events (started with the app, closed on cleanup).
     """
     if delay_s < 0:
         raise ValueError(f"delay_s must be >= 0, got {delay_s}")
     cfg = config if config is not None else SimConfig()
-    engine = Engine(cfg)
+    engine = Engine(cfg, events)
     app = web.Application(middlewares=[_track], client_max_size=1 << 30)
     app[STATE_KEY] = SimState(
         name=name,
@@ -185,13 +209,18 @@ def build_app(
         address=address,
         topology=dict(topology) if topology else None,
         peers=peers,
+        tokenizer=tokenizer if tokenizer is not None else WordTokenizer(),
     )
 
     async def start_engine(_: web.Application) -> None:
+        if events is not None:
+            events.start()
         engine.start()
 
     async def stop_engine(_: web.Application) -> None:
         await engine.stop()
+        if events is not None:
+            await events.close()
         http = app[STATE_KEY].http
         if http is not None:
             await http.close()
@@ -205,6 +234,8 @@ def build_app(
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/v1/responses", responses)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/debug/requests", debug_requests)

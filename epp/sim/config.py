@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Final, Literal
 
 _DISTANCES: Final = ("node", "rack", "block", "zone", "other")  # epp.sim.topology.DISTANCES
+_HASH_ALGOS: Final = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")  # epp.kvcache.hashing
 
 __all__ = [
     "DEFAULT_KV_TRANSFER_BY_LEVEL",
@@ -45,9 +46,9 @@ DEFAULT_KV_TRANSFER_BY_LEVEL: Final[tuple[tuple[str, float], ...]] = (
 class SimConfig:
     """Latency model, cache, LoRA, role and failure-injection parameters.
 
-    Defaults are loosely an 8B model on one modern GPU with tokens = whitespace words,
-    scaled down so that tests and the local stack stay quick; see docs/simulator.md for
-    the formulas and for more realistic values.
+    The default costs and KV pool are calibrated to Llama 3.1 8B (BF16) served by vLLM on
+    one H100 80GB, one simulator token standing for one model token (docs/simulator.md,
+    "Calibration"); ``time_scale`` speeds every duration up or down alike.
     """
 
     # Continuous batching.
@@ -58,14 +59,21 @@ class SimConfig:
     # KV cache.
     block_size: int = 16
     """Tokens per KV block (the prefix-cache granularity)."""
-    num_gpu_blocks: int = 131072
-    """KV cache capacity in blocks, shared by running sequences and the prefix cache."""
+    num_gpu_blocks: int = 24576
+    """KV cache capacity in blocks, shared by running sequences and the prefix cache
+    (393,216 tokens: ~48 GiB of KV at 128 KiB per token, what an H100 80GB has left
+    after Llama 3.1 8B's weights)."""
+    prefix_caching_hash_algo: str = "sha256_cbor"
+    """vLLM's ``--prefix-caching-hash-algo`` for block hashes: ``sha256``,
+    ``sha256_cbor``, ``xxhash`` or ``xxhash_cbor`` (:mod:`epp.kvcache.hashing`)."""
+    hash_seed: str = "0"
+    """The NONE_HASH seed (vLLM's ``PYTHONHASHSEED``) that starts every block-hash chain."""
     # Step cost.
-    prefill_ms_per_token: float = 0.002
-    """Cost of one *uncached* prompt token in a step."""
-    decode_base_ms: float = 5.0
+    prefill_ms_per_token: float = 0.04
+    """Cost of one *uncached* prompt token in a step (25,000 prompt tokens/s)."""
+    decode_base_ms: float = 6.5
     """Fixed cost of a step that decodes at least one sequence."""
-    decode_per_seq_ms: float = 0.05
+    decode_per_seq_ms: float = 0.06
     """Extra decode cost per sequence decoded in the step."""
     kv_transfer_ms_per_token: float = 0.0005
     """Decode role: cost per uncached prompt token whose KV comes from a prefill pod, when
@@ -127,6 +135,9 @@ class SimConfig:
             "time_scale",
         ):
             non_negative(name)
+        if self.prefix_caching_hash_algo not in _HASH_ALGOS:
+            raise ValueError(f"prefix_caching_hash_algo must be one of {', '.join(_HASH_ALGOS)}, "
+                             f"got {self.prefix_caching_hash_algo!r}")
         if self.prefill_timeout_s <= 0:
             raise ValueError(f"prefill_timeout_s must be > 0, got {self.prefill_timeout_s}")
         if self.prefill_failure not in PREFILL_FAILURE_MODES:

@@ -11,6 +11,11 @@ Scheduling (each step, vLLM v1 style, FCFS)
   left and the KV pool can hold their prompt; the first that does not fit stops
   admission (head-of-line). A LoRA request whose adapter cannot get a slot is skipped
   (it keeps its place) and admission continues with the next.
+- KV events (when a publisher is attached, :attr:`Engine.events`): the blocks a step
+  evicts (``BlockRemoved``) and the full prompt blocks it caches (one ``BlockStored``
+  per request, with their token ids and parent hash) go out as one batch at the end of
+  the step, as vLLM publishes one ``KVEventBatch`` per scheduler step;
+  :meth:`Engine.reset_prefix_cache` publishes at once.
 - Admission looks up the prompt's chained block hashes in the prefix cache; the longest
   cached prefix, at most ``(len - 1) // block_size`` blocks, is not computed again.
   ``cached_tokens = hit_blocks * block_size``.
@@ -50,10 +55,12 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
+from epp.kvcache import hashing
 from epp.sim.config import SimConfig
-from epp.sim.kvcache import Block, BlockPool, block_hashes
+from epp.sim.kvcache import Block, BlockPool, token_ids
+from epp.sim.kvevents import BlockStored, EventPublisher
 from epp.sim.stats import EngineStats
-from epp.sim.tokens import Token
+from epp.sim.tokens import Token, word_id
 
 __all__ = ["Engine", "EngineError", "EngineStopped", "PromptTooLong", "SimRequest"]
 
@@ -94,6 +101,8 @@ class SimRequest:
     cost_ms_per_token: float
     hashes: list[int]
     arrival: float
+    token_ids: list[int] = field(default_factory=list)
+    """The prompt's token ids (what ``BlockStored.token_ids`` carries)."""
     target: int = 0
     computed: int = 0
     generated: int = 0
@@ -159,9 +168,11 @@ class Engine:
     :class:`EngineStopped`. All methods must be called from the engine's loop.
     """
 
-    def __init__(self, config: SimConfig) -> None:
+    def __init__(self, config: SimConfig, events: EventPublisher | None = None) -> None:
         self.config = config
-        self.pool = BlockPool(config.num_gpu_blocks)
+        self.events = events
+        """Where KV events go (None: none are recorded)."""
+        self.pool = BlockPool(config.num_gpu_blocks, record_events=events is not None)
         self.stats = EngineStats()
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
@@ -235,7 +246,7 @@ class Engine:
         """
         cfg = self.config
         self.validate(len(tokens), max_tokens, lora)
-        prompt: Sequence[Token] = tokens if tokens else ("<bos>",)
+        prompt = token_ids(tokens) if tokens else [word_id("<bos>")]
         self.start()
         loop = asyncio.get_running_loop()
         self._next_id += 1
@@ -253,8 +264,12 @@ class Engine:
                 if remote_prefill
                 else cfg.prefill_ms_per_token
             ),
-            hashes=block_hashes(prompt, cfg.block_size, lora or ""),
+            hashes=hashing.block_hashes(
+                prompt, cfg.block_size, algo=cfg.prefix_caching_hash_algo,
+                seed=cfg.hash_seed, lora_name=lora,
+            ),
             arrival=loop.time(),
+            token_ids=prompt,
         )
         req.target = req.prompt_len
         self.waiting.append(req)
@@ -326,7 +341,36 @@ class Engine:
             "preemptions": s.preemptions,
             "steps": s.steps,
             "slow_start": self.in_slow_start(),
+            "kv_events": None if self.events is None else self.events.snapshot(),
         }
+
+    # ------------------------------------------------------------ KV events
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every evictable cached block (vLLM's ``reset_prefix_cache``) and
+        publish what that removed."""
+        self.pool.clear()
+        self._publish_events()
+
+    def _publish_events(self) -> None:
+        if self.events is not None:
+            self.events.publish(self.pool.take_events())
+
+    def _stored(self, req: SimRequest, first: int, end: int) -> None:
+        """Record ``BlockStored`` for ``req``'s newly full blocks ``first..end-1``."""
+        if not self.pool.record_events or end <= first:
+            return
+        bs = self.config.block_size
+        lora = req.lora
+        self.pool.events.append(BlockStored(
+            block_hashes=req.hashes[first:end],
+            parent_block_hash=req.hashes[first - 1] if first > 0 else None,
+            token_ids=req.token_ids[first * bs : end * bs],
+            block_size=bs,
+            lora_id=None if lora is None else self.config.loras.index(lora) + 1,
+            lora_name=lora,
+            extra_keys=[None if lora is None else (lora,)] * (end - first),
+        ))
 
     # ------------------------------------------------------------ step loop
 
@@ -355,6 +399,7 @@ class Engine:
             end = start + self._step_seconds(plan)
             await asyncio.sleep(max(0.0, end - loop.time()))
             self._complete(plan, loop.time())
+            self._publish_events()
             self.stats.steps += 1
             step_end = end
 
@@ -472,6 +517,7 @@ class Engine:
             req.computed += chunk
             req.prefill_chunks.append(chunk)
             full = min(req.computed // bs, len(req.hashes))
+            self._stored(req, req.registered, full)
             while req.registered < full:
                 block = self.pool.register(req.hashes[req.registered])
                 if block is not None:

@@ -3,11 +3,13 @@
 Pure and synchronous (no clock, no I/O), so it is tested exactly.
 
 Model (vLLM's automatic prefix caching, simplified)
-- A prompt is cut into blocks of ``block_size`` tokens; only *full* blocks have a hash.
-  Block ``i``'s hash chains the previous one: ``h_i = xxh3_64(h_{i-1} ‖ extra ‖ tokens_i)``
-  with ``h_{-1} = 0`` and ``extra`` the LoRA adapter name (empty for the base model), so
-  two prompts share block ``i`` only if they share every token up to its end and the
-  adapter.
+- A prompt is cut into blocks of ``block_size`` token ids; only *full* blocks have a
+  hash. Block ``i``'s hash is vLLM's: ``H((h_{i-1}, tuple(tokens_i), extra_i))`` with
+  ``h_{-1} = NONE_HASH = H(seed)``, ``H`` the ``--prefix-caching-hash-algo``
+  (:mod:`epp.kvcache.hashing`) and ``extra_i = (lora_name,)`` for a LoRA adapter, else
+  None; the block's identity is the 64-bit int vLLM publishes in its KV events. Two
+  prompts share block ``i`` only if they share every token up to its end and the
+  adapter. Words are token ids by :func:`epp.sim.tokens.word_id`.
 - The pool has ``capacity`` blocks. A block is *used* while at least one running
   sequence references it (``ref > 0``). A hashed block whose last reference goes away
   stays in the cache as *evictable*; evictable blocks are reused least recently released
@@ -15,6 +17,10 @@ Model (vLLM's automatic prefix caching, simplified)
   sequence's partial last prompt block and its generated tokens.
 - ``usage = used / capacity`` is ``vllm:kv_cache_usage_perc``: evictable cached blocks
   are free capacity, as in vLLM.
+- With ``record_events``, every eviction appends a :class:`BlockRemoved` to ``events``
+  and :meth:`BlockPool.clear` an :class:`AllBlocksCleared` (or one ``BlockRemoved`` per
+  forgotten block while referenced blocks stay cached); the engine adds the
+  ``BlockStored`` events and publishes them (:mod:`epp.sim.kvevents`).
 """
 
 from __future__ import annotations
@@ -23,30 +29,41 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-import xxhash
+from epp.kvcache import hashing
+from epp.sim.kvevents import AllBlocksCleared, BlockRemoved, KVEvent
+from epp.sim.tokens import Token, word_id
 
-from epp.sim.tokens import Token
+__all__ = ["DEFAULT_HASH_ALGO", "DEFAULT_HASH_SEED", "Block", "BlockPool", "block_hashes",
+           "token_ids"]
 
-__all__ = ["Block", "BlockPool", "block_hashes"]
+DEFAULT_HASH_ALGO = hashing.DEFAULT_ALGO
+"""``sha256_cbor``: what llm-d deployments pass to vLLM's ``--prefix-caching-hash-algo``."""
+DEFAULT_HASH_SEED = "0"
+"""The NONE_HASH seed when neither ``--hash-seed`` nor ``PYTHONHASHSEED`` is set (vLLM
+would draw a random one; the simulator stays reproducible)."""
 
-_SEP = "\x1f"
+
+def token_ids(tokens: Sequence[Token]) -> list[int]:
+    """Token ids of a token sequence: a word is :func:`~epp.sim.tokens.word_id`, an int
+    is itself."""
+    return [word_id(t) if isinstance(t, str) else t for t in tokens]
 
 
-def block_hashes(tokens: Sequence[Token], block_size: int, extra: str = "") -> list[int]:
-    """Chained 64-bit hashes of the full ``block_size``-token blocks of ``tokens``.
+def block_hashes(
+    tokens: Sequence[Token],
+    block_size: int,
+    extra: str = "",
+    *,
+    algo: str = DEFAULT_HASH_ALGO,
+    seed: str = DEFAULT_HASH_SEED,
+) -> list[int]:
+    """vLLM's chained block hashes (as 64-bit event ints) of the full ``block_size``-token
+    blocks of ``tokens``; ``extra`` is the LoRA adapter name ("" for the base model).
 
     Deterministic across processes and runs. ``len(result) == len(tokens) // block_size``.
     """
-    out: list[int] = []
-    parent = 0
-    prefix = extra.encode() + b"\x00"
-    words = tokens if all(type(t) is str for t in tokens) else [str(t) for t in tokens]
-    digest = xxhash.xxh3_64_intdigest
-    for start in range(0, len(words) - block_size + 1, block_size):
-        data = _SEP.join(words[start : start + block_size]).encode()  # type: ignore[arg-type]
-        parent = digest(parent.to_bytes(8, "little") + prefix + data)
-        out.append(parent)
-    return out
+    return hashing.block_hashes(token_ids(tokens), block_size, algo=algo, seed=seed,
+                                lora_name=extra or None)
 
 
 @dataclass(slots=True, eq=False)
@@ -65,12 +82,15 @@ class BlockPool:
     ``ref > 0`` is counted in ``used``.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, *, record_events: bool = False) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self.used = 0
         self.evictions = 0
+        self.record_events = record_events
+        self.events: list[KVEvent] = []
+        """KV events since the owner last took them (only with ``record_events``)."""
         self._cached: dict[int, Block] = {}
         self._evictable: OrderedDict[int, Block] = OrderedDict()
 
@@ -137,6 +157,8 @@ class BlockPool:
             h, _block = self._evictable.popitem(last=False)
             del self._cached[h]
             self.evictions += 1
+            if self.record_events:
+                self.events.append(BlockRemoved([h]))
         self.used += n
         return True
 
@@ -163,7 +185,21 @@ class BlockPool:
         self.used -= private
 
     def clear(self) -> None:
-        """Forget every evictable cached block (referenced blocks stay)."""
+        """Forget every evictable cached block (referenced blocks stay).
+
+        Events: :class:`AllBlocksCleared` when no cached block is referenced (the cache
+        is then empty, as after vLLM's ``reset_prefix_cache``), else one
+        :class:`BlockRemoved` per forgotten block."""
+        if self.record_events:
+            if len(self._evictable) == len(self._cached):
+                self.events.append(AllBlocksCleared())
+            elif self._evictable:
+                self.events.extend(BlockRemoved([h]) for h in self._evictable)
         for h in self._evictable:
             del self._cached[h]
         self._evictable.clear()
+
+    def take_events(self) -> list[KVEvent]:
+        """The recorded events, oldest first; the list starts again empty."""
+        events, self.events = self.events, []
+        return events

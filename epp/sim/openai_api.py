@@ -1,15 +1,17 @@
 """The OpenAI API of a simulated pod: request parsing, generation, JSON and SSE answers.
 
 Routes (registered by :func:`epp.sim.app.build_app`): ``POST /v1/completions``,
-``/v1/chat/completions``, ``/v1/embeddings``, ``/v1/responses`` and ``GET /v1/models``.
+``/v1/chat/completions``, ``/v1/embeddings``, ``/v1/responses``, ``/tokenize`` and
+``GET /v1/models``.
 
 Contracts
 - A POST whose body is not a JSON object gets 400 with an OpenAI error body
   ``{"error": {"message", "type", "code"}}``; so does one missing its route's required
   field (``prompt``, ``messages``, ``input``), and one whose prompt plus ``max_tokens``
   could never fit in the KV cache.
-- Tokens are whitespace words (:mod:`epp.sim.tokens`). ``usage.prompt_tokens`` is the
-  prompt's word count (token ids count one each); ``completion_tokens`` is
+- Tokens come from the pod's tokenizer (:mod:`epp.sim.tokens`: whitespace words by
+  default, a ``--tokenizer`` with its chat template otherwise). ``usage.prompt_tokens``
+  is the prompt's token count (token ids count one each); ``completion_tokens`` is
   ``max_tokens`` (or ``max_completion_tokens``; Responses API: ``max_output_tokens``),
   default :data:`~epp.sim.state.DEFAULT_MAX_TOKENS`, and 1 on a ``prefill``-role server;
   ``prompt_tokens_details.cached_tokens`` is the prompt tokens served from the prefix
@@ -56,13 +58,7 @@ from epp.sim.state import (
     SimState,
     json_response,
 )
-from epp.sim.tokens import (
-    BadRequest,
-    Token,
-    messages_tokens,
-    prompt_tokens,
-    responses_input_tokens,
-)
+from epp.sim.tokens import BadRequest, Encoded, SimTokenizer
 
 __all__ = [
     "EMBEDDING_DIM",
@@ -71,6 +67,7 @@ __all__ = [
     "embeddings",
     "models",
     "responses",
+    "tokenize",
 ]
 
 EMBEDDING_DIM: Final = 8
@@ -151,6 +148,39 @@ async def _sse_done(resp: web.StreamResponse) -> web.StreamResponse:
     return resp
 
 
+def _tokenizer(request: web.Request) -> SimTokenizer:
+    return request.app[STATE_KEY].tokenizer
+
+
+def _flag(body: Json, key: str, default: bool) -> bool:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise BadRequest(f"'{key}' must be a boolean")
+    return value
+
+
+def _chat(tokenizer: SimTokenizer, body: Json) -> Encoded:
+    """Tokens of a chat request's ``messages`` with vLLM's chat options
+    (``add_generation_prompt``, ``continue_final_message``, ``add_special_tokens``,
+    ``chat_template``, ``chat_template_kwargs``)."""
+    template = body.get("chat_template")
+    if template is not None and not isinstance(template, str):
+        raise BadRequest("'chat_template' must be a string")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise BadRequest("'chat_template_kwargs' must be an object")
+    return tokenizer.chat(
+        body["messages"],
+        add_generation_prompt=_flag(body, "add_generation_prompt", True),
+        continue_final_message=_flag(body, "continue_final_message", False),
+        add_special_tokens=_flag(body, "add_special_tokens", False),
+        chat_template=template,
+        chat_template_kwargs=kwargs,
+    )
+
+
 # ---------------------------------------------------------------- generation
 
 
@@ -206,7 +236,7 @@ class _Gen:
 async def _submit(
     request: web.Request,
     body: Json,
-    tokens: list[Token],
+    tokens: list[int],
     max_tokens: int,
     *,
     generate: bool,
@@ -297,7 +327,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await _json_body(request)
     if "prompt" not in body:
         raise BadRequest("'prompt' is required")
-    tokens = prompt_tokens(body["prompt"])
+    tokens = _tokenizer(request).prompt(
+        body["prompt"], add_special_tokens=_flag(body, "add_special_tokens", True))[0]
     gen = await _submit(
         request, body, tokens, _max_tokens(body, "max_tokens"), generate=True,
         limit_fields=("max_tokens",),
@@ -342,7 +373,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await _json_body(request)
     if "messages" not in body:
         raise BadRequest("'messages' is required")
-    tokens = messages_tokens(body["messages"])
+    tokens = _chat(_tokenizer(request), body)[0]
     max_tokens = _max_tokens(body, "max_completion_tokens", "max_tokens")
     gen = await _submit(
         request, body, tokens, max_tokens, generate=True,
@@ -412,7 +443,7 @@ async def embeddings(request: web.Request) -> web.StreamResponse:
     if "input" not in body:
         raise BadRequest("'input' is required")
     inp = body["input"]
-    tokens = prompt_tokens(inp)
+    tokens = _tokenizer(request).prompt(inp)[0]
     gen = await _submit(request, body, tokens, 0, generate=False)
     await gen.wait()
     items: list[Any] = (
@@ -438,7 +469,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     body = await _json_body(request)
     if "input" not in body:
         raise BadRequest("'input' is required")
-    tokens = responses_input_tokens(body["input"])
+    tokens = _tokenizer(request).responses_input(body["input"])[0]
     gen = await _submit(
         request, body, tokens, _max_tokens(body, "max_output_tokens"), generate=True,
         limit_fields=("max_output_tokens",),
@@ -503,6 +534,34 @@ async def responses(request: web.Request) -> web.StreamResponse:
         return resp
 
     return await _stream_events(request, gen, on_start, on_token, on_end)
+
+
+async def tokenize(request: web.Request) -> web.StreamResponse:
+    """POST /tokenize (vLLM's ``TokenizeCompletionRequest`` / ``TokenizeChatRequest``):
+    ``{"model", "prompt", "add_special_tokens"=true}`` or ``{"model", "messages",
+    "add_generation_prompt"=true, "continue_final_message"=false,
+    "add_special_tokens"=false, "chat_template", "chat_template_kwargs"}``, each with
+    ``return_token_strs``; answers vLLM's ``TokenizeResponse`` ``{"count",
+    "max_model_len", "tokens", "token_strs"}`` (``token_strs`` null unless asked for).
+    Nothing reaches the engine."""
+    body = await _json_body(request)
+    state = request.app[STATE_KEY]
+    if "messages" in body:
+        ids, strs = _chat(state.tokenizer, body)
+    elif "prompt" in body:
+        if not isinstance(body["prompt"], str):
+            raise BadRequest("'prompt' must be a string")
+        ids, strs = state.tokenizer.prompt(
+            body["prompt"], add_special_tokens=_flag(body, "add_special_tokens", True))
+    else:
+        raise BadRequest("'prompt' or 'messages' is required")
+    cfg = state.config
+    return json_response({
+        "count": len(ids),
+        "max_model_len": cfg.num_gpu_blocks * cfg.block_size,
+        "tokens": ids,
+        "token_strs": strs if _flag(body, "return_token_strs", False) else None,
+    })
 
 
 async def models(request: web.Request) -> web.StreamResponse:

@@ -10,12 +10,22 @@ pods would run with (``epp bench``) can use these without the HTTP stack.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
+from epp.kvcache.hashing import ALGORITHMS
 from epp.sim.config import DEFAULT_MODEL, PREFILL_FAILURE_MODES, ROLES, SimConfig
+from epp.sim.kvevents import KVEventsConfig, parse_kv_events_config
+from epp.sim.tokens import SimTokenizer, load_tokenizer
 from epp.sim.topology import LEVELS, PeerTopology, parse_level_costs, parse_topology
 
-__all__ = ["build_parser", "config_from_args", "topology_from_args"]
+__all__ = [
+    "build_parser",
+    "config_from_args",
+    "kv_events_from_args",
+    "tokenizer_from_args",
+    "topology_from_args",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +59,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     g.add_argument("--num-gpu-blocks", type=int, default=d.num_gpu_blocks,
                    help="KV cache capacity in blocks (running sequences + prefix cache)")  # fmt: skip
+    g.add_argument("--prefix-caching-hash-algo", choices=ALGORITHMS,
+                   default=d.prefix_caching_hash_algo,
+                   help="vLLM's block-hash algorithm (block identity and KV events)")  # fmt: skip
+    g.add_argument("--hash-seed", default=None, metavar="SEED",
+                   help="seed of the first block hash, as vLLM's PYTHONHASHSEED (default: "
+                   f"$PYTHONHASHSEED, else {d.hash_seed!r})")  # fmt: skip
+    g = p.add_argument_group("KV events and tokenization (docs/simulator.md)")
+    g.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="vLLM's --kv-events-config, e.g. '{\"enable_kv_cache_events\": true, "
+                   "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\"}': publish KV "
+                   "events over ZMQ; the n-th --port's pod uses the endpoint ports + n")  # fmt: skip
+    g.add_argument("--kv-events-port-offset", type=int, default=None, metavar="N",
+                   help="instead: the pod on HTTP port P publishes on port P+N (the replay "
+                   "port keeps its distance to the endpoint's)")  # fmt: skip
+    g.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="a Hugging Face tokenizer.json (or its directory, with "
+                   "tokenizer_config.json's chat_template) instead of whitespace words")  # fmt: skip
     g = p.add_argument_group("step cost (model milliseconds)")
     g.add_argument("--prefill-ms-per-token", type=float, default=d.prefill_ms_per_token,
                    help="cost per uncached prompt token")  # fmt: skip
@@ -114,6 +141,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
         num_gpu_blocks=args.num_gpu_blocks,
+        prefix_caching_hash_algo=getattr(args, "prefix_caching_hash_algo",
+                                         SimConfig().prefix_caching_hash_algo),
+        hash_seed=_hash_seed(getattr(args, "hash_seed", None)),
         prefill_ms_per_token=args.prefill_ms_per_token,
         decode_base_ms=args.decode_base_ms,
         decode_per_seq_ms=args.decode_per_seq_ms,
@@ -131,6 +161,27 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         time_scale=args.time_scale,
         seed=args.seed,
     )
+
+
+def _hash_seed(arg: str | None) -> str:
+    if arg is not None:
+        return arg
+    return os.environ.get("PYTHONHASHSEED") or SimConfig().hash_seed
+
+
+def kv_events_from_args(args: argparse.Namespace) -> KVEventsConfig:
+    """``--kv-events-config`` (events off when absent); ValueError if invalid."""
+    text = getattr(args, "kv_events_config", None)
+    cfg = KVEventsConfig() if text is None else parse_kv_events_config(text)
+    if getattr(args, "kv_events_port_offset", None) is not None and not cfg.enabled:
+        raise ValueError("--kv-events-port-offset needs --kv-events-config with "
+                         "enable_kv_cache_events true")
+    return cfg
+
+
+def tokenizer_from_args(args: argparse.Namespace) -> SimTokenizer:
+    """``--tokenizer`` loaded (whitespace words without it); ValueError if it cannot be."""
+    return load_tokenizer(getattr(args, "tokenizer", None))
 
 
 def topology_from_args(

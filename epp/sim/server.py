@@ -24,7 +24,14 @@ from aiohttp import web
 
 from epp.sim.app import build_app
 from epp.sim.config import DEFAULT_MODEL, SimConfig
-from epp.sim.options import build_parser, config_from_args, topology_from_args
+from epp.sim.kvevents import KVEventsConfig, pod_publisher
+from epp.sim.options import (
+    build_parser,
+    config_from_args,
+    kv_events_from_args,
+    tokenizer_from_args,
+    topology_from_args,
+)
 from epp.sim.state import (
     DEBUG_LOG_SIZE,
     DEFAULT_MAX_TOKENS,
@@ -32,7 +39,7 @@ from epp.sim.state import (
     STATE_KEY,
     SimState,
 )
-from epp.sim.tokens import BadRequest
+from epp.sim.tokens import BadRequest, SimTokenizer
 from epp.sim.topology import PeerTopology
 
 __all__ = [
@@ -64,19 +71,28 @@ async def start_servers(
     config: SimConfig | None = None,
     topology: dict[str, str] | None = None,
     peers: PeerTopology | None = None,
+    tokenizer: SimTokenizer | None = None,
+    kv_events: KVEventsConfig | None = None,
+    kv_events_port_offset: int | None = None,
 ) -> list[web.AppRunner]:
     """Start one app per port (named ``sim-<port>``) on ``host``; return their runners.
 
-    Each app has its own engine with the same ``config``. The caller owns the runners
+    Each app has its own engine with the same ``config`` and the same ``tokenizer``;
+    with ``kv_events`` enabled, the ``i``-th port's pod publishes its KV events as
+    :func:`epp.sim.kvevents.pod_publisher` says. The caller owns the runners
     and must ``await runner.cleanup()`` each. If one port cannot be bound, the ones
     already started are cleaned up and the OSError propagates.
     """
     runners: list[web.AppRunner] = []
     try:
-        for port in ports:
+        for index, port in enumerate(ports):
+            events = None if kv_events is None else pod_publisher(
+                kv_events, index=index, host=host, port=port, model=model,
+                port_offset=kv_events_port_offset,
+            )
             app = build_app(
                 f"sim-{port}", model, delay_s=delay_s, config=config, address=host,
-                topology=topology, peers=peers,
+                topology=topology, peers=peers, tokenizer=tokenizer, events=events,
             )
             runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0)
             await runner.setup()
@@ -99,10 +115,14 @@ async def serving(
     config: SimConfig | None = None,
     topology: dict[str, str] | None = None,
     peers: PeerTopology | None = None,
+    tokenizer: SimTokenizer | None = None,
+    kv_events: KVEventsConfig | None = None,
+    kv_events_port_offset: int | None = None,
 ) -> AsyncIterator[list[web.AppRunner]]:
     """``async with serving(...)``: :func:`start_servers`, cleaned up on exit."""
     runners = await start_servers(
-        host, ports, model, delay_s=delay_s, config=config, topology=topology, peers=peers
+        host, ports, model, delay_s=delay_s, config=config, topology=topology, peers=peers,
+        tokenizer=tokenizer, kv_events=kv_events, kv_events_port_offset=kv_events_port_offset,
     )
     try:
         yield runners
@@ -120,17 +140,28 @@ async def run_servers(
     config: SimConfig | None = None,
     topology: dict[str, str] | None = None,
     peers: PeerTopology | None = None,
+    tokenizer: SimTokenizer | None = None,
+    kv_events: KVEventsConfig | None = None,
+    kv_events_port_offset: int | None = None,
 ) -> None:
     """Serve one simulated pod per port in this process until cancelled."""
     cfg = config if config is not None else SimConfig()
     async with serving(
-        host, ports, model, delay_s=delay_s, config=cfg, topology=topology, peers=peers
-    ):
+        host, ports, model, delay_s=delay_s, config=cfg, topology=topology, peers=peers,
+        tokenizer=tokenizer, kv_events=kv_events, kv_events_port_offset=kv_events_port_offset,
+    ) as runners:
         print(
             f"sim: serving model {model!r} (role {cfg.role}) on "
             + ", ".join(f"{host}:{p}" for p in ports),
             flush=True,
         )
+        for runner in runners:
+            events = runner.app[STATE_KEY].engine.events
+            if events is not None:
+                print(f"sim: {runner.app[STATE_KEY].name} publishes KV events on "
+                      f"{events.endpoint} topic {events.topic!r}"
+                      + (f", replay on {events.replay_endpoint}" if events.replay_endpoint
+                         else ""), flush=True)
         await asyncio.Event().wait()
 
 
@@ -148,6 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = config_from_args(args)
         topology, peers = topology_from_args(args)
+        kv_events = kv_events_from_args(args)
+        tokenizer = tokenizer_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
 
@@ -160,7 +193,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.suppress(asyncio.CancelledError):
             await run_servers(
                 args.host, args.port, args.model, delay_s=args.delay_s, config=config,
-                topology=topology, peers=peers,
+                topology=topology, peers=peers, tokenizer=tokenizer, kv_events=kv_events,
+                kv_events_port_offset=args.kv_events_port_offset,
             )
 
     asyncio.run(_run())

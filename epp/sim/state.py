@@ -2,8 +2,8 @@
 
 :class:`SimState` is an app's state (``app[STATE_KEY]``, one per simulated pod, never
 shared): its name, model, :class:`~epp.sim.config.SimConfig`, engine, Prometheus
-registry, seeded random source, the ``/debug/requests`` log and the P/D counters
-(:class:`PdStats`). Also here: the OpenAI-style error (:class:`HttpError`,
+registry, seeded random source, tokenizer, the ``/debug/requests`` log and the P/D
+counters (:class:`PdStats`). Also here: the OpenAI-style error (:class:`HttpError`,
 :func:`error_response`) and the small helpers :mod:`epp.sim.openai_api`,
 :mod:`epp.sim.sidecar` and :mod:`epp.sim.app` all use.
 """
@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from epp.sim.config import SimConfig
 from epp.sim.engine import Engine
+from epp.sim.tokens import SimTokenizer, WordTokenizer
 from epp.sim.topology import PeerTopology
 
 __all__ = [
@@ -68,6 +69,8 @@ class SimState:
     """Topologies of the pods in the endpoints file (``--peer-topology-file``)."""
     pd: PdStats = field(default_factory=lambda: PdStats())
     http: aiohttp.ClientSession | None = None
+    tokenizer: SimTokenizer = field(default_factory=WordTokenizer)
+    """Prompts and chat messages to token ids (``--tokenizer``; words by default)."""
 
     def inject_error(self) -> bool:
         """Draw once from the seeded source: True with probability ``error_rate``."""

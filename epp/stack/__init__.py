@@ -3,7 +3,8 @@ chat load generator, and ``epp demo`` (docs/local-stack.md).
 
 Modules, bottom up; each imports only modules above it in this list (and ``epp.keys``):
 
-- :mod:`epp.stack.procs` — :class:`ManagedProcess`, :func:`free_port`, :func:`wait_port`.
+- :mod:`epp.stack.procs` — :class:`ManagedProcess`, :func:`free_port`, :func:`wait_port`,
+  :func:`sim_kv_events_args` (sims publishing KV events on HTTP port + N).
 - :mod:`epp.stack.envoy` — the gateway shapes, :func:`render_envoy_config` (from
   ``envoy.yaml.tmpl``), :func:`without_ext_proc`, :class:`EnvoyProcess`.
 - :mod:`epp.stack.pd` — the P/D stack: :func:`grove_layout`, :class:`PdStack`,

@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import shlex
+import signal
+import statistics
 import sys
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -34,11 +38,23 @@ from epp.stack.envoy import (
     without_ext_proc,
 )
 from epp.stack.pd import PD_SIM_ARGS, PairStats, PdLayout, PdStack, grove_layout, repo_config
-from epp.stack.procs import LOCAL_SERVE_FLAGS, ManagedProcess, free_port, wait_port
-from epp.stack.runner import Report, run
+from epp.stack.procs import (
+    LOCAL_SERVE_FLAGS,
+    ManagedProcess,
+    cancel_on_signals,
+    free_port,
+    wait_port,
+)
+from epp.stack.runner import Report, Result, run
 from epp.stack.workload import Workload, WorkloadSpec
 
 MODEL = "sim-model"
+#: Where the summary is explained (printed at its end).
+READING_DOC = 'docs/local-stack.md, "Reading the demo\'s summary"'
+#: The simulator's KV block size unless ``--sim-args`` sets ``--block-size``.
+SIM_BLOCK_SIZE = 16
+#: Two measurements closer than this (relative) are reported as even.
+EVEN_WITHIN = 0.03
 
 
 def _progress(report: Report) -> None:
@@ -53,8 +69,129 @@ def _fmt_ms(x: float) -> str:
     return "-" if math.isnan(x) else f"{1000 * x:.0f} ms"
 
 
-def summary(reports: list[Report], pods: dict[str, list[str]]) -> str:
-    """The end-of-demo summary: request share per pod, TTFT, cache hits, errors."""
+def computed_tokens(r: Result) -> int:
+    """Prompt tokens the pod had to compute (prefill) for ``r``: not served from its
+    prefix cache."""
+    return max(0, r.prompt_tokens - r.cached_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """How well a gateway placed requests on the pods that had their prefix cached."""
+
+    prompt_per_request: float
+    """Mean prompt tokens per successful request."""
+    computed_per_request: float
+    """Mean prompt tokens the pods computed (not cached) per successful request."""
+    prefix_found: float
+    """Share of successful requests that found their reusable prefix cached on the pod
+    they went to: they computed at most ``fresh_tokens`` (what their turn added) plus two
+    KV blocks (the partial block at each end)."""
+    busiest_share: float
+    """Share of the successful requests taken by the busiest pod."""
+
+
+def placement(rep: Report, fresh_tokens: int, block_size: int) -> Placement:
+    """:class:`Placement` of ``rep``'s successful requests (NaN fields when there are none)."""
+    ok = rep.ok
+    if not ok:
+        nan = float("nan")
+        return Placement(nan, nan, nan, nan)
+    bound = fresh_tokens + 2 * block_size
+    share = rep.share()
+    return Placement(
+        prompt_per_request=statistics.fmean(r.prompt_tokens for r in ok),
+        computed_per_request=statistics.fmean(computed_tokens(r) for r in ok),
+        prefix_found=sum(computed_tokens(r) <= bound for r in ok) / len(ok),
+        busiest_share=max(share.values()) / len(ok),
+    )
+
+
+def _compare(a: float, b: float, *, lower_is_better: bool) -> int:
+    """+1 if ``a`` is better than ``b``, -1 if worse, 0 if within :data:`EVEN_WITHIN`
+    (or not measured)."""
+    if math.isnan(a) or math.isnan(b) or max(abs(a), abs(b)) == 0:
+        return 0
+    if abs(a - b) / max(abs(a), abs(b)) < EVEN_WITHIN:
+        return 0
+    better = a < b if lower_is_better else a > b
+    return 1 if better else -1
+
+
+def _vs(a: str, b: str) -> str:
+    """``"12 vs 31 ms"`` from ``"12 ms"`` and ``"31 ms"`` (the unit once when shared)."""
+    unit_a, unit_b = a.rpartition(" ")[2], b.rpartition(" ")[2]
+    if " " in a and unit_a == unit_b:
+        return f"{a.rpartition(' ')[0]} vs {b}"
+    return f"{a} vs {b}"
+
+
+def mean_ttft(rep: Report) -> float:
+    """Mean TTFT of ``rep``'s successful requests, measured at the client."""
+    return statistics.fmean(r.ttft_s for r in rep.ok) if rep.ok else float("nan")
+
+
+def verdict(epp: Report, rr: Report, *, fresh_tokens: int, block_size: int,
+            servers: int, in_pods: Mapping[str, float] | None = None) -> str:
+    """The summary's last line: who won on TTFT p50/p90, hit rate and throughput, and
+    why — all from the two runs' measurements (``in_pods``: as for :func:`summary`)."""
+    rows: list[tuple[str, float, float, bool, Callable[[float], str]]] = [
+        ("TTFT p50", epp.quantile("ttft_s", 0.5), rr.quantile("ttft_s", 0.5), True, _fmt_ms),
+        ("TTFT p90", epp.quantile("ttft_s", 0.9), rr.quantile("ttft_s", 0.9), True, _fmt_ms),
+        ("hit rate", 100 * epp.cache_hit_rate, 100 * rr.cache_hit_rate, False,
+         lambda x: f"{x:.0f}%"),
+        ("throughput", epp.throughput, rr.throughput, False, lambda x: f"{x:.1f} req/s"),
+    ]
+    groups: dict[int, list[str]] = {1: [], -1: [], 0: []}
+    for name, a, b, lower, fmt in rows:
+        won = _compare(a, b, lower_is_better=lower)
+        if won == 0:
+            groups[0].append(f"{name} (EPP {fmt(a)}, round robin {fmt(b)})")
+            continue
+        first, second = (a, b) if won > 0 else (b, a)
+        groups[won].append(f"{name} ({_vs(fmt(first), fmt(second))})")
+    parts = []
+    if groups[1]:
+        parts.append("the EPP won on " + ", ".join(groups[1]))
+    if groups[-1]:
+        parts.append("round robin won on " + ", ".join(groups[-1]))
+    if groups[0]:
+        parts.append("even on " + ", ".join(groups[0]))
+    pe = placement(epp, fresh_tokens, block_size)
+    pr = placement(rr, fresh_tokens, block_size)
+    if math.isnan(pe.computed_per_request) or math.isnan(pr.computed_per_request):
+        return "Verdict: " + "; ".join(parts) + "."
+    saved = 1 - pe.computed_per_request / pr.computed_per_request \
+        if pr.computed_per_request else 0.0
+    more_or_fewer = "fewer" if saved >= 0 else "more"
+    why = (f"the EPP sent {100 * pe.prefix_found:.0f}% of requests to a pod holding their "
+           f"prefix (round robin {100 * pr.prefix_found:.0f}%): its pods computed "
+           f"{100 * abs(saved):.0f}% {more_or_fewer} prompt tokens per request "
+           f"({pe.computed_per_request:.0f} vs {pr.computed_per_request:.0f} of "
+           f"{pe.prompt_per_request:.0f})")
+    even = 1 / servers
+    if pe.busiest_share > 1.3 * even:
+        why += (f", and its busiest pod took {100 * pe.busiest_share:.0f}% of requests "
+                f"(even: {100 * even:.0f}%)")
+    if in_pods is not None:
+        pod_e, pod_r = in_pods.get(epp.label, math.nan), in_pods.get(rr.label, math.nan)
+        out_e, out_r = mean_ttft(epp) - pod_e, mean_ttft(rr) - pod_r
+        if not any(math.isnan(x) for x in (pod_e, pod_r, out_e, out_r)):
+            why += (f"; of the mean TTFT, the pods took {_fmt_ms(pod_e)} with the EPP and "
+                    f"{_fmt_ms(pod_r)} with round robin, the way to and from them (gateway, "
+                    f"HTTP, client) {_fmt_ms(out_e)} and {_fmt_ms(out_r)}")
+    return "Verdict: " + "; ".join(parts) + ". Why: " + why + "."
+
+
+def summary(reports: list[Report], pods: dict[str, list[str]], *,
+            fresh_tokens: int | None = None, block_size: int = SIM_BLOCK_SIZE,
+            in_pods: Mapping[str, float] | None = None) -> str:
+    """The end-of-demo summary: request share per pod, TTFT, cache hits, prompt tokens
+    computed, errors; with ``fresh_tokens`` (the workload's
+    :attr:`~epp.stack.workload.WorkloadSpec.fresh_tokens_per_turn`) and an EPP and a
+    round-robin report, it ends with the :func:`verdict` and where to read about it.
+    ``in_pods`` (label → mean TTFT inside the pods, :func:`pod_ttft`) adds the rows that
+    split the mean TTFT into time in the pods and time on the way."""
     lines = []
     for rep in reports:
         ok = len(rep.ok)
@@ -70,18 +207,73 @@ def summary(reports: list[Report], pods: dict[str, list[str]]) -> str:
     lines.append("")
     head = f"{'':26}" + "".join(f"{r.label:>18}" for r in reports)
     lines.append(head)
+
+    def per_request(r: Report, fn: Callable[[Result], int]) -> str:
+        return f"{statistics.fmean(fn(x) for x in r.ok):.0f}" if r.ok else "-"
+
     rows: list[tuple[str, Callable[[Report], str]]] = [
         ("requests OK", lambda r: f"{len(r.ok)}"),
         ("throughput", lambda r: f"{r.throughput:.1f} req/s"),
         ("TTFT p50", lambda r: _fmt_ms(r.quantile("ttft_s", 0.5))),
         ("TTFT p90", lambda r: _fmt_ms(r.quantile("ttft_s", 0.9))),
         ("latency p50", lambda r: _fmt_ms(r.quantile("latency_s", 0.5))),
+        *([("TTFT mean", lambda r: _fmt_ms(mean_ttft(r))),
+           ("  in the pods", lambda r: _fmt_ms(in_pods.get(r.label, math.nan))),
+           ("  outside (gateway, HTTP)", lambda r: _fmt_ms(
+               mean_ttft(r) - in_pods.get(r.label, math.nan)))]
+          if in_pods is not None else []),
         ("prefix-cache hit rate", lambda r: f"{100 * r.cache_hit_rate:.1f}%"),
+        ("prompt tokens / request", lambda r: per_request(r, lambda x: x.prompt_tokens)),
+        ("computed / request", lambda r: per_request(r, computed_tokens)),
         ("errors", lambda r: f"{len(r.results) - len(r.ok)}"),
     ]
     for name, fn in rows:
         lines.append(f"{name:26}" + "".join(f"{fn(r):>18}" for r in reports))
+    by_label = {r.label: r for r in reports}
+    if fresh_tokens is not None and "EPP" in by_label and "round-robin" in by_label:
+        lines.append("")
+        lines.append(verdict(by_label["EPP"], by_label["round-robin"],
+                             fresh_tokens=fresh_tokens, block_size=block_size,
+                             servers=max(1, len(pods.get("EPP", ()))), in_pods=in_pods))
+    if fresh_tokens is not None:
+        lines.append(f"How to read these numbers: {READING_DOC}.")
     return "\n".join(lines)
+
+
+async def pod_ttft(ports: Sequence[int]) -> float:
+    """Mean time to first token inside the pods, from arrival at the engine (their
+    ``vllm:time_to_first_token_seconds`` histograms, summed over ``ports``); NaN if none
+    answers. The client's TTFT minus this is the request's path outside the pods: the
+    gateway (Envoy, and the EPP's ext_proc round trip), HTTP and the client itself."""
+    total = count = 0.0
+    timeout = aiohttp.ClientTimeout(total=5)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        for port in ports:
+            try:
+                async with session.get(f"http://127.0.0.1:{port}/metrics") as r:
+                    text = await r.text()
+            except (TimeoutError, aiohttp.ClientError):
+                continue
+            for line in text.splitlines():
+                name, _, value = line.partition(" ")
+                if name.startswith("vllm:time_to_first_token_seconds_sum"):
+                    total += float(value.split()[0])
+                elif name.startswith("vllm:time_to_first_token_seconds_count"):
+                    count += float(value.split()[0])
+    return total / count if count else float("nan")
+
+
+def sim_block_size(sim_args: Sequence[str]) -> int:
+    """The KV block size the simulators run with: ``--block-size`` in ``sim_args`` (the
+    last one wins, as in ``epp sim``), else :data:`SIM_BLOCK_SIZE`."""
+    size = SIM_BLOCK_SIZE
+    for i, a in enumerate(sim_args):
+        value = a.partition("=")[2] if a.startswith("--block-size=") else (
+            sim_args[i + 1] if a == "--block-size" and i + 1 < len(sim_args) else None)
+        if value is not None:
+            with contextlib.suppress(ValueError):
+                size = int(value)
+    return size
 
 
 async def _start_sims(ports: list[int], extra: list[str], log: Path) -> ManagedProcess:
@@ -153,10 +345,13 @@ async def _demo(args: argparse.Namespace) -> int:
                   "other pods)")
         spec = WorkloadSpec(seed=args.seed)
         print(f"\nworkload: {spec.system_prompts} shared system prompts (~{spec.system_prompt_words}"
-              f" words), {spec.turns_per_conversation}-turn conversations, {args.concurrency} "
-              f"concurrent users, up to {args.duration:g}s or {args.requests} requests per gateway")
+              f" tokens), {spec.turns_per_conversation}-turn conversations ({spec.question_tokens}"
+              f"-token questions, {spec.max_tokens}-token answers; the last turn's prompt "
+              f"~{spec.last_turn_words} tokens), {args.concurrency} concurrent users, up to "
+              f"{args.duration:g}s or {args.requests} requests per gateway")
         reports = []
         pods = {}
+        in_pods: dict[str, float] = {}
         for label, gw_url, ports in (("EPP", url, epp_ports),
                                      ("round-robin", f"http://127.0.0.1:{gw_rr}", rr_ports)):
             if label == "round-robin" and not args.compare:
@@ -167,7 +362,9 @@ async def _demo(args: argparse.Namespace) -> int:
                             duration_s=args.duration, progress=_progress)
             reports.append(rep)
             pods[label] = [f"sim-{p}" for p in ports]
-        print(summary(reports, pods), flush=True)
+            in_pods[label] = await pod_ttft(ports)
+        print(summary(reports, pods, fresh_tokens=spec.fresh_tokens_per_turn,
+                      block_size=sim_block_size(sim_extra), in_pods=in_pods), flush=True)
         if args.keep_running:
             print(f"\nThe stack keeps running. Try:\n  curl {url}/v1/chat/completions "
                   "-H 'content-type: application/json' -d '{\"model\":\"" + MODEL + "\","
@@ -262,9 +459,36 @@ async def pd_demo(args: argparse.Namespace) -> int:
         await stack.stop()
 
 
+STOPPED = "stopped; everything the demo started has been stopped"
+
+
+def _say(text: str) -> None:
+    """Print, ignoring a closed terminal (after SIGHUP the terminal may be gone)."""
+    with contextlib.suppress(OSError, ValueError):
+        print(text, flush=True)
+
+
+async def _demo_until_signal(args: argparse.Namespace) -> int:
+    """:func:`_demo`, stopped by SIGTERM or SIGHUP exactly as by Ctrl-C: the first signal
+    cancels it, which stops every process it started (its exit stack and ``finally``
+    blocks) before it returns ``128 + signal number``."""
+    with cancel_on_signals((signal.SIGTERM, signal.SIGHUP)) as received:
+        try:
+            return await _demo(args)
+        except asyncio.CancelledError:
+            if not received:
+                raise
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            sig = received[0]
+            _say(f"\n{sig.name}: {STOPPED}")
+            return 128 + int(sig)
+
+
 def run_demo(args: argparse.Namespace) -> int:
     try:
-        return asyncio.run(_demo(args))
+        return asyncio.run(_demo_until_signal(args))
     except KeyboardInterrupt:
-        print("\nstopped; everything the demo started has been stopped")
+        _say(f"\n{STOPPED}")
         return 130

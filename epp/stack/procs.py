@@ -13,11 +13,12 @@ import random
 import signal
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Self
 
-__all__ = ["LOCAL_SERVE_FLAGS", "ManagedProcess", "free_port", "wait_port"]
+__all__ = ["LOCAL_SERVE_FLAGS", "ManagedProcess", "cancel_on_signals", "free_port",
+           "kv_events_port_offset", "sim_kv_events_args", "wait_port"]
 
 # What every `epp serve` of the local stack and the benchmarks runs with, whatever the
 # defaults (epp/server/options.py: GIE's are TLS on ext_proc, tracing on, and Kubernetes
@@ -61,6 +62,44 @@ def free_port(host: str = "127.0.0.1") -> int:
         return fallback
 
 
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+        return True
+
+
+def kv_events_port_offset(ports: Sequence[int]) -> int:
+    """An offset ``N`` such that every ``port + N`` was free a moment ago, is none of
+    ``ports`` and lies below the kernel's ephemeral range: the pods of a single-host pool
+    (``epp sim --kv-events-port-offset N``) publish their KV events there, and the EPP
+    dials them there (``precise-prefix-cache-producer``'s
+    ``podDiscoveryConfig.endpointPortOffset``). Drawn at random, as :func:`free_port`."""
+    lo, _ = _ephemeral_range()
+    top = max(lo - 1, 11000)
+    taken = set(ports)
+    for _ in range(200):
+        n = random.choice((-1, 1)) * random.randint(100, 9000)
+        want = [p + n for p in ports]
+        if all(1024 <= q <= top and q not in taken for q in want) and all(
+                _port_free(q) for q in want):
+            return n
+    raise RuntimeError(f"no free KV-event ports for the pods on {sorted(ports)}")
+
+
+def sim_kv_events_args(ports: Sequence[int]) -> tuple[list[str], int]:
+    """``epp sim`` arguments that make the pods on ``ports`` publish vLLM KV events, each
+    on its own HTTP port + the returned offset (:func:`kv_events_port_offset`). The PUB
+    sockets bind ``*`` — vLLM binds only a wildcard endpoint; a concrete address would be
+    dialled — so nothing but the EPP on this host connects to them."""
+    offset = kv_events_port_offset(ports)
+    cfg = ('{"enable_kv_cache_events": true, "publisher": "zmq", '
+           '"endpoint": "tcp://*:5557"}')
+    return ["--kv-events-config", cfg, f"--kv-events-port-offset={offset}"], offset
+
+
 async def wait_port(host: str, port: int, timeout: float = 10.0) -> None:
     """Wait until a TCP connection to ``host:port`` succeeds.
 
@@ -87,6 +126,45 @@ async def wait_port(host: str, port: int, timeout: float = 10.0) -> None:
                 + (f" (last error: {last_error})" if last_error else "")
             )
         await asyncio.sleep(0.02)
+
+
+@contextlib.contextmanager
+def cancel_on_signals(
+    signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.SIGHUP),
+) -> Iterator[list[signal.Signals]]:
+    """Within the block, the first of ``signals`` cancels the current task — what
+    ``asyncio.run`` does on SIGINT — so that its ``finally`` blocks and exit stacks stop
+    the children it started; without this, SIGTERM or SIGHUP would end the Python process
+    at once and leave its children (each in its own session, see
+    :class:`ManagedProcess`) running. Further signals are recorded but do not interrupt
+    that cleanup. Yields the list of signals received (empty unless one came).
+
+    Needs a running event loop; on platforms without ``loop.add_signal_handler`` the
+    signals keep their default action.
+    """
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    if task is None:
+        raise RuntimeError("cancel_on_signals needs a running task")
+    received: list[signal.Signals] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        received.append(sig)
+        if len(received) == 1:
+            task.cancel()
+
+    installed: list[signal.Signals] = []
+    for sig in signals:
+        try:
+            loop.add_signal_handler(sig, on_signal, sig)
+        except (NotImplementedError, RuntimeError, ValueError):
+            continue
+        installed.append(sig)
+    try:
+        yield received
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
 
 
 class ManagedProcess:

@@ -4,6 +4,11 @@ Each conversation picks one of a few long system prompts (shared by many users, 
 production traffic shares them), then runs several turns; every turn resends the whole
 history (system prompt, earlier questions and the answers received) plus a new question,
 so consecutive turns of a conversation share a growing prefix. Deterministic for a seed.
+
+The default shape is where prefix reuse matters, as in production chat: by the last turn
+the conversation's own history is longer than its system prompt, so a pod that has the
+conversation cached computes a turn's new tokens only, and any other pod recomputes the
+whole history (docs/local-stack.md, "Reading the demo's summary").
 """
 
 from __future__ import annotations
@@ -27,12 +32,31 @@ def _sentence(rng: random.Random, n: int) -> str:
 class WorkloadSpec:
     """Shape of the workload. Lengths are in words (the simulator counts words as tokens)."""
 
-    system_prompts: int = 4
-    system_prompt_words: int = 400
-    turns_per_conversation: int = 4
-    question_words: int = 40
-    max_tokens: int = 32
+    system_prompts: int = 6
+    system_prompt_words: int = 1000
+    turns_per_conversation: int = 8
+    question_words: int = 150
+    max_tokens: int = 300
     seed: int = 1
+
+    @property
+    def question_tokens(self) -> int:
+        """Tokens (words) of one question: "Please <verb> <topic>:" and the sentence."""
+        return 3 + self.question_words
+
+    @property
+    def fresh_tokens_per_turn(self) -> int:
+        """What a turn adds to its conversation's cached prefix on the pod that served the
+        previous turn: the previous answer (the simulator caches prompt blocks, never
+        generated tokens) and the new question."""
+        return self.max_tokens + self.question_tokens
+
+    @property
+    def last_turn_words(self) -> int:
+        """Prompt length (words) of a conversation's last turn."""
+        t = self.turns_per_conversation
+        return (self.system_prompt_words + t * self.question_tokens
+                + (t - 1) * self.max_tokens)
 
 
 @dataclass(slots=True)
@@ -53,7 +77,8 @@ class Workload:
         self._rng = random.Random(spec.seed)
         self.system_prompts = [
             f"System {i}: you are an assistant for the {_TOPICS[i % len(_TOPICS)]} team. "
-            + " ".join(_sentence(self._rng, 12) for _ in range(spec.system_prompt_words // 13))
+            + " ".join(_sentence(self._rng, 12)
+                       for _ in range(max(0, spec.system_prompt_words - 9 + 11) // 12))
             for i in range(spec.system_prompts)
         ]
 

@@ -17,6 +17,7 @@ import pytest
 import pytest_asyncio
 import yaml
 
+from epp.sim.config import SimConfig
 from epp.stack.envoy import DEFAULT_RESPONSE_PATH, EnvoyProcess, render_envoy_config
 from epp.stack.procs import LOCAL_SERVE_FLAGS, ManagedProcess, free_port, wait_port
 from tests import polling
@@ -25,6 +26,13 @@ from tests.integration.plugins import CONFIG
 ROOT = Path(__file__).resolve().parents[2]
 N_UPSTREAMS = 4
 MAX_BODY = 4 << 20
+# The suite's pods keep the simulator's former cheap costs and large pool (its multi-MB
+# prompts take seconds, not minutes); a test's own sim_args still override them.
+SUITE_SIM_ARGS = ("--prefill-ms-per-token", "0.002", "--decode-base-ms", "5",
+                  "--decode-per-seq-ms", "0.05", "--num-gpu-blocks", "131072")
+# The same costs for simulated pods a test serves in process (epp.sim.server.serving).
+SUITE_SIM_CONFIG = SimConfig(prefill_ms_per_token=0.002, decode_base_ms=5.0,
+                             decode_per_seq_ms=0.05, num_gpu_blocks=131072)
 
 # The suite's one polling helper (tests/polling.py), with defaults for checks against the
 # live processes (HTTP/gRPC round trips through Envoy, the EPP, the sims): 10 s, every 50 ms.
@@ -156,7 +164,7 @@ async def upstreams(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[U
 
 async def start_sims(ports: list[int], log_path: Path, *sim_args: str) -> ManagedProcess:
     """One `epp sim` process serving a simulated pod on each port, all listening."""
-    argv = [sys.executable, "-m", "epp.cli", "sim", *sim_args]
+    argv = [sys.executable, "-m", "epp.cli", "sim", *SUITE_SIM_ARGS, *sim_args]
     for p in ports:
         argv += ["--port", str(p)]
     proc = ManagedProcess(argv, log_path=log_path, cwd=ROOT)

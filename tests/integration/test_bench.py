@@ -3,27 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from tests.proc_scan import processes_mentioning
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _processes_mentioning(text: str) -> list[str]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if text in cmd:
-            found.append(f"{pid}: {cmd}")
-    return found
 
 
 def test_bench_smoke_runs_every_router_and_writes_the_report(tmp_path: Path) -> None:
@@ -52,4 +41,4 @@ def test_bench_smoke_runs_every_router_and_writes_the_report(tmp_path: Path) -> 
     assert (out / "samples.jsonl").read_text().count("\n") == sum(
         m["requests"] for m in report["results"].values())
     # Every process the bench started is gone.
-    assert _processes_mentioning(str(out)) == []
+    assert processes_mentioning(str(out)) == []

@@ -5,27 +5,16 @@ simulated pods; every request accounted for, the report complete."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from tests.proc_scan import processes_mentioning
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _processes_mentioning(text: str) -> list[str]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if text in cmd:
-            found.append(f"{pid}: {cmd}")
-    return found
 
 
 def test_overload_smoke_accounts_for_every_request(tmp_path: Path) -> None:
@@ -88,4 +77,4 @@ def test_overload_smoke_accounts_for_every_request(tmp_path: Path) -> None:
     for name in ("flow-control.yaml", "legacy.yaml", "objectives.yaml"):
         assert (out / "configs" / name).exists()
     # Every process the bench started is gone.
-    assert _processes_mentioning(str(out)) == []
+    assert processes_mentioning(str(out)) == []

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -40,6 +42,22 @@ def test_demo_runs_and_summarises() -> None:
     total = int(re.search(r"EPP: (\d+) requests", out).group(1))  # type: ignore[union-attr]
     assert len(counts) == 3 and sum(counts) == total and total > 0
     assert sum(c > 0 for c in counts) >= 2
+    # The summary ends with the verdict, computed from the table above it, and the doc.
+    last = out.strip().splitlines()
+    assert last[-1] == ("How to read these numbers: docs/local-stack.md, "
+                        "\"Reading the demo's summary\"."), last[-1]
+    verdict = last[-2]
+    assert verdict.startswith("Verdict: ") and " Why: the EPP sent " in verdict, verdict
+    for needle in ("computed / request", "in the pods", "outside (gateway, HTTP)"):
+        assert needle in out, needle
+    row = re.search(r"TTFT p90 +(\d+) ms +(\d+) ms", out)
+    assert row is not None, out
+    epp_p90, rr_p90 = int(row.group(1)), int(row.group(2))
+    said = verdict.split(" Why: ")[0]
+    if abs(epp_p90 - rr_p90) > 0.1 * max(epp_p90, rr_p90):  # clear of the 3% "even" band
+        winner = "the EPP won on" if epp_p90 < rr_p90 else "round robin won on"
+        part = next(p for p in said.split("; ") if "TTFT p90" in p)
+        assert winner in part, (winner, verdict)
     # Nothing is left listening.
     for port in set(ports_in(out)):
         assert not port_open(port), port
@@ -74,5 +92,71 @@ async def test_demo_keep_running_stops_everything_on_ctrl_c() -> None:
             await proc.wait()
     assert code == 130, rest
     assert "stopped" in rest
+    for port in set(ports_in(text)):
+        assert not port_open(port), port
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (children, grandchildren, ...), from /proc."""
+    parent: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+        fields = stat.rpartition(")")[2].split()
+        parent[int(entry.name)] = int(fields[1])
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {p for p, pp in parent.items() if pp in frontier} - found
+        found |= frontier
+    return found
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie waiting to be reaped does not count)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+async def test_demo_keep_running_stops_everything_on_sigterm_and_sighup(
+        sig: signal.Signals) -> None:
+    # Both gateways (--compare, the default): two sim processes, the EPP and two Envoys.
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "epp.cli", "demo", "--duration", "1", "--servers", "2",
+        "--concurrency", "2", "--keep-running", "--sim-args", "--time-scale 0.25",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=ROOT)
+    assert proc.stdout is not None
+    seen = []
+    try:
+        async with asyncio.timeout(90):
+            while True:
+                line = (await proc.stdout.readline()).decode()
+                assert line, "".join(seen)
+                seen.append(line)
+                if "keeps running" in line:
+                    break
+        text = "".join(seen)
+        children = descendants(proc.pid)
+        assert len(children) >= 5, (children, text)  # 2 sims, the EPP, 2 Envoys (+ forks)
+        proc.send_signal(sig)
+        async with asyncio.timeout(30):
+            rest = (await proc.stdout.read()).decode()
+            code = await proc.wait()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert code == 128 + sig, rest
+    assert f"{sig.name}: stopped" in rest, rest
+    assert not [p for p in children if alive(p)], rest
     for port in set(ports_in(text)):
         assert not port_open(port), port

@@ -30,6 +30,7 @@ from epp.keys import HEADER_DESTINATION, METADATA_NAMESPACE_LB
 from epp.sim.server import SIM_SERVER_HEADER, STATE_KEY, serving
 from epp.stack.envoy import BODY_MODES, EnvoyProcess, envoy_binary, render_envoy_config
 from epp.stack.procs import free_port
+from tests.integration.conftest import SUITE_SIM_CONFIG
 
 pytestmark = pytest.mark.integration
 
@@ -326,7 +327,8 @@ async def test_traffic_routes_through_ext_proc(body_mode: str, response_path: st
     base = f"http://127.0.0.1:{ports['listen_port']}"
     timeout = aiohttp.ClientTimeout(total=30)
 
-    async with serving("127.0.0.1", [sim_port], "m") as (sim,), EnvoyProcess() as envoy:
+    async with serving("127.0.0.1", [sim_port], "m", config=SUITE_SIM_CONFIG) as (sim,), \
+            EnvoyProcess() as envoy:
         await envoy.start(config, tmp_path)
         await envoy.wait_ready()
         async with aiohttp.ClientSession(timeout=timeout) as session:

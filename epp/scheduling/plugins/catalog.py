@@ -28,12 +28,15 @@ from epp.scheduling.plugins import (
     nohit,
     pd,
     pickers,
+    precise_prefix,
+    predicted_ttft,
     prefix,
     reporter,
     roles,
     saturation,
     scorers,
     session,
+    token_producer,
     topology,
 )
 
@@ -64,6 +67,11 @@ BUILTIN_PLUGINS: tuple[type, ...] = (
     load.InFlightLoadProducer,
     session.SessionAffinityScorer,
     nohit.NoHitLRUScorer,
+    token_producer.TokenProducer,  # issue 15: llm-d's token-producer (and its old name)
+    token_producer.LegacyTokenizer,
+    precise_prefix.PrecisePrefixCacheProducer,  # issue 15: KV-event prefix routing
+    precise_prefix.PrecisePrefixCacheScorer,
+    predicted_ttft.PredictedTTFTScorer,  # issue 17: TTFT model (docs/plugins.md)
     filters.LabelSelectorFilter,
     filters.ByLabelSelectorFilter,
     saturation.UtilizationDetector,

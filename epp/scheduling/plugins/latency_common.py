@@ -17,10 +17,11 @@ from epp import keys
 from epp.errors import ConfigError
 from epp.framework import interfaces as fw
 from epp.framework.handle import PluginHandle
+from epp.framework.interfaces import ResponseTimings
 from epp.latency.predictor import LatencyPredictor, predictor_from_env
-from epp.latency.tracking import prefix_score
+from epp.latency.tracking import LatencyTracker, prefix_score
 from epp.scheduling.plugins.prefix import ApproxPrefixCacheProducer
-from epp.scheduling.types import CycleState, Endpoint, LLMRequest
+from epp.scheduling.types import CycleState, Endpoint, LLMRequest, SchedulingResult
 
 CONSUMES_PREFIX = {fw.DATA_KEY_PREFIX_CACHE_MATCH_INFO: "PrefixCacheMatchInfo"}
 CONSUMES_LATENCY = {fw.DATA_KEY_LATENCY_PREDICTION_INFO: "LatencyPredictionInfo"}
@@ -94,3 +95,32 @@ def parse_context_ttl(value: Any, path: str) -> float:
 def make_predictor(predictor: LatencyPredictor | None) -> LatencyPredictor:
     """``predictor``, or the one the environment selects (epp/latency/predictor.py)."""
     return predictor if predictor is not None else predictor_from_env()
+
+
+class TrackedPredictor:
+    """The request lifecycle and background hooks the two predictor plugins share
+    (``predicted-latency-producer`` and ``predicted-latency-scorer``): each hands them to
+    its :class:`~epp.latency.tracking.LatencyTracker` (``self.tracker``) and starts and
+    stops its predictor (``self.predictor``: the sidecar client's tasks)."""
+
+    tracker: LatencyTracker
+    predictor: LatencyPredictor
+
+    def pre_request(self, request: LLMRequest, result: SchedulingResult) -> None:
+        self.tracker.pre_request(request, result)
+
+    def response_measured(self, request: LLMRequest, endpoint_key: str,
+                          timings: ResponseTimings) -> None:
+        self.tracker.response_measured(request, endpoint_key, timings)
+
+    def response_complete(self, request: LLMRequest, endpoint_key: str, aborted: bool) -> None:
+        self.tracker.response_complete(request, endpoint_key, aborted)
+
+    def endpoint_removed(self, key: str) -> None:
+        self.tracker.endpoint_removed(key)
+
+    async def start_background(self) -> None:
+        await self.predictor.start()
+
+    async def stop_background(self) -> None:
+        await self.predictor.stop()

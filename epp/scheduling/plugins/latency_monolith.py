@@ -44,7 +44,6 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from epp.framework.handle import PluginHandle
-from epp.framework.interfaces import ResponseTimings
 from epp.framework.params import ParameterError, config_warning, param
 from epp.latency.predictor import LatencyPredictor
 from epp.latency.tracking import EndpointPrediction, LatencyTracker, TrackingConfig
@@ -55,11 +54,12 @@ from epp.scheduling.plugins.latency_common import (
     NEEDS_BODY,
     PRODUCES_LATENCY,
     PrefixScores,
+    TrackedPredictor,
     make_predictor,
     parse_context_ttl,
 )
 from epp.scheduling.plugins.latency_producer import check_tracking_parameters
-from epp.scheduling.types import CycleState, Endpoint, LLMRequest, SchedulingResult
+from epp.scheduling.types import CycleState, Endpoint, LLMRequest
 
 LEAST = "least"
 MOST = "most"
@@ -130,7 +130,7 @@ class _Choice:
     weight: int
 
 
-class PredictedLatencyScorer:
+class PredictedLatencyScorer(TrackedPredictor):
     type_name = "predicted-latency-scorer"
     Parameters = PredictedLatencyScorerParameters
     produces = MappingProxyType(PRODUCES_LATENCY)
@@ -395,23 +395,3 @@ class PredictedLatencyScorer:
             idx -= ch.weight
         return candidates[0].endpoint
 
-    # ------------------------------------------------------------------ lifecycle
-
-    def pre_request(self, request: LLMRequest, result: SchedulingResult) -> None:
-        self.tracker.pre_request(request, result)
-
-    def response_measured(self, request: LLMRequest, endpoint_key: str,
-                          timings: ResponseTimings) -> None:
-        self.tracker.response_measured(request, endpoint_key, timings)
-
-    def response_complete(self, request: LLMRequest, endpoint_key: str, aborted: bool) -> None:
-        self.tracker.response_complete(request, endpoint_key, aborted)
-
-    def endpoint_removed(self, key: str) -> None:
-        self.tracker.endpoint_removed(key)
-
-    async def start_background(self) -> None:
-        await self.predictor.start()
-
-    async def stop_background(self) -> None:
-        await self.predictor.stop()

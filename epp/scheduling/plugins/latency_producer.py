@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from epp.framework.handle import PluginHandle
-from epp.framework.interfaces import ResponseTimings
 from epp.framework.params import ParameterError, param
 from epp.latency.predictor import LatencyPredictor
 from epp.latency.tracking import LatencyTracker, TrackingConfig
@@ -35,10 +34,11 @@ from epp.scheduling.plugins.latency_common import (
     NEEDS_BODY,
     PRODUCES_LATENCY,
     PrefixScores,
+    TrackedPredictor,
     make_predictor,
     parse_context_ttl,
 )
-from epp.scheduling.types import CycleState, Endpoint, LLMRequest, SchedulingResult
+from epp.scheduling.types import CycleState, Endpoint, LLMRequest
 
 
 def check_tracking_parameters(sampling_mean: float, max_samples: int, max_samples_key: str,
@@ -67,7 +67,7 @@ class PredictedLatencyProducerParameters:
                         "maxDecodeTokenSamplesForPrediction", self.slo_buffer_factor)
 
 
-class PredictedLatencyProducer:
+class PredictedLatencyProducer(TrackedPredictor):
     type_name = "predicted-latency-producer"
     Parameters = PredictedLatencyProducerParameters
     produces = MappingProxyType(PRODUCES_LATENCY)
@@ -107,28 +107,6 @@ class PredictedLatencyProducer:
                 p.endpoint.key: p.info(tracker.running_count(p.endpoint.key))
                 for p in predictions})
 
-    # --- request lifecycle
-
-    def pre_request(self, request: LLMRequest, result: SchedulingResult) -> None:
-        self.tracker.pre_request(request, result)
-
-    def response_measured(self, request: LLMRequest, endpoint_key: str,
-                          timings: ResponseTimings) -> None:
-        self.tracker.response_measured(request, endpoint_key, timings)
-
-    def response_complete(self, request: LLMRequest, endpoint_key: str, aborted: bool) -> None:
-        self.tracker.response_complete(request, endpoint_key, aborted)
-
-    def endpoint_removed(self, key: str) -> None:
-        self.tracker.endpoint_removed(key)
-
-    # --- background work (the sidecar client)
-
-    async def start_background(self) -> None:
-        await self.predictor.start()
-
-    async def stop_background(self) -> None:
-        await self.predictor.stop()
 
     def running_requests(self) -> Mapping[str, int]:
         """Requests this plugin tracks as running, per endpoint key (tests, explain)."""

@@ -6,14 +6,21 @@ Cold requests create the most new KV blocks, so sending each to the endpoint tha
 recently received a cold request spreads cache growth evenly.
 
 - Warm request (some candidate has a prefix hit): 0.5 for every candidate — neutral.
-- Cold request over ``n`` candidates (1 when ``n == 1``): candidates that never received
-  a cold request come first, in candidate order, then the others from least to most
-  recently used; the candidate at rank ``r`` (0-based) scores ``1 − r / (n − 1)``.
+- Cold request: candidates that never received a cold request share the first rank,
+  then the others follow one rank each, from least to most recently used; with ``g``
+  ranks, the candidates at rank ``r`` (0-based) score ``1 − r / (g − 1)`` (1 for all when
+  ``g == 1``).
 - After the Director's decision, for a cold request the primary profile's endpoint, and
   the ``prefillProfile``'s endpoint when that profile ran, become the most recently used.
 
 Ranks are among the candidates (llm-d ranks by the position in its whole LRU, which can
 push every candidate to 0 when the LRU holds endpoints filtered out of this profile).
+llm-d ranks never-used candidates one by one in its candidate order — in GIE an order
+that follows its datastore's map, so no pod is favoured for long; here the candidate
+order is the same on every request, so the first pods would always win a cold start
+over a real load difference (GIE's hermetic case "least queue" under this project's
+default): they share the top score and the load scorers, or the picker's random
+tie-break, decide between them.
 
 Parameters: ``prefixPluginName`` (the ``prefix-cache-scorer`` or
 ``approx-prefix-cache-producer`` to read; default ``prefix-cache-scorer``, falling back to
@@ -49,6 +56,9 @@ def _plugin_name(v: Any, path: str) -> str:
 @dataclass(frozen=True)
 class NoHitLRUParameters:
     prefix_plugin_name: str | None = param("prefixPluginName", None, parse=_plugin_name)
+    # llm-d v0.10.0's name for it (e.g. a precise-prefix-cache-producer)
+    prefix_match_info_producer_name: str | None = param("prefixMatchInfoProducerName", None,
+                                                        parse=_plugin_name)
     prefill_profile: str = param("prefillProfile", "prefill")
     lru_size: int = param("lruSize", 1024, minimum=1)
 
@@ -74,7 +84,7 @@ class NoHitLRUScorer:
     @classmethod
     def from_params(cls, name: str, params: NoHitLRUParameters,
                     handle: PluginHandle) -> NoHitLRUScorer:
-        return cls(name, params.prefix_plugin_name,
+        return cls(name, params.prefix_plugin_name or params.prefix_match_info_producer_name,
                    params.prefill_profile or cls.DEFAULT_PREFILL_PROFILE, params.lru_size)
 
     def bind(self, handle: PluginHandle) -> None:
@@ -83,7 +93,8 @@ class NoHitLRUScorer:
         wanted = self.prefix_plugin_name or self.DEFAULT_PREFIX_PLUGIN
         found = handle.get(wanted)
         if found is not None:
-            if not isinstance(found, (PrefixCacheScorer, ApproxPrefixCacheProducer)):
+            if not isinstance(found, (PrefixCacheScorer, ApproxPrefixCacheProducer)) and not (
+                    callable(getattr(found, "match", None))):  # precise-prefix-cache-producer
                 raise ConfigError(f"{self.name}: prefixPluginName {wanted!r} is a "
                                   f"{found.type_name}, not a prefix-cache-scorer or "
                                   "approx-prefix-cache-producer")
@@ -107,6 +118,8 @@ class NoHitLRUScorer:
             return p.producer
         if isinstance(p, ApproxPrefixCacheProducer):
             return p
+        if p is not None and callable(getattr(p, "match", None)):
+            return p  # type: ignore[return-value]  # duck-typed match() (precise producer)
         return None
 
     def is_cold(self, state: CycleState, request: LLMRequest,
@@ -133,9 +146,15 @@ class NoHitLRUScorer:
         if used:
             position = {k: p for p, k in enumerate(lru)}
             used.sort(key=lambda i: position[endpoints[i].key])
-        out = [0.0] * n
-        for rank, i in enumerate(never + used):
-            out[i] = 1.0 - rank / (n - 1)
+        # Never-used candidates share the first rank: ranking them in candidate order
+        # would make the list order, not the load, decide a cold start (issue 17).
+        groups = ([never] if never else []) + [[i] for i in used]
+        out = [1.0] * n
+        if len(groups) > 1:
+            last = len(groups) - 1
+            for rank, group in enumerate(groups):
+                for i in group:
+                    out[i] = 1.0 - rank / last
         return out
 
     def pre_request(self, request: LLMRequest, result: SchedulingResult) -> None:

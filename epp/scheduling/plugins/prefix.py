@@ -81,10 +81,14 @@ class PrefixScorerParameters:
     balance_abs_threshold: int | None = param("balanceAbsThreshold", None, minimum=0)
     balance_rel_threshold: float | None = param("balanceRelThreshold", None, minimum=1.0)
     block_size: int | None = param("blockSize", None)
+    # llm-d: the plugin whose PrefixCacheMatchInfo to read (e.g. a
+    # precise-prefix-cache-producer); unset: the approx producer, as before.
+    prefix_match_info_producer_name: str | None = param("prefixMatchInfoProducerName", None)
 
     def index_parameters(self) -> PrefixIndexParameters | None:
         """The producer's parameters with these set, or None when none is set."""
-        given = {k: v for k, v in vars(self).items() if v is not None}
+        given = {k: v for k, v in vars(self).items()
+                 if v is not None and k != "prefix_match_info_producer_name"}
         return PrefixIndexParameters(**given) if given else None
 
 
@@ -211,19 +215,31 @@ class PrefixCacheScorer:
     consumes = MappingProxyType({fw.DATA_KEY_PREFIX_CACHE_MATCH_INFO: "PrefixCacheMatchInfo"})
     Parameters = PrefixScorerParameters
 
-    def __init__(self, name: str, own_params: PrefixIndexParameters | None = None) -> None:
+    def __init__(self, name: str, own_params: PrefixIndexParameters | None = None,
+                 producer_name: str | None = None) -> None:
         self.name = name
         self._own_params = own_params
-        self.producer: ApproxPrefixCacheProducer | None = None
+        self._producer_name = producer_name
+        self.producer: ApproxPrefixCacheProducer | Any = None
 
     @classmethod
     def from_params(cls, name: str, params: PrefixScorerParameters,
                     handle: PluginHandle) -> PrefixCacheScorer:
         _warn_block_size(params.block_size, name)
-        return cls(name, params.index_parameters())
+        return cls(name, params.index_parameters(), params.prefix_match_info_producer_name)
 
     def bind(self, handle: PluginHandle) -> None:
         """After every plugin is built: find the producer, or create one."""
+        if self._producer_name:  # llm-d's prefixMatchInfoProducerName
+            named = handle.get(self._producer_name)
+            if named is None or not callable(getattr(named, "match", None)):
+                what = "no such plugin" if named is None else f"a {named.type_name}"
+                raise ConfigError(f"{self.name}.prefixMatchInfoProducerName: "
+                                  f"{self._producer_name!r} is {what}, not a prefix match "
+                                  "producer (precise-prefix-cache-producer, "
+                                  "approx-prefix-cache-producer)")
+            self.producer = named
+            return
         producers = handle.of_type(ApproxPrefixCacheProducer)
         if len(producers) > 1:
             raise ConfigError(f"{self.name}: more than one approx-prefix-cache-producer; "

@@ -421,7 +421,7 @@ async def test_metrics_parse_and_count() -> None:
         assert await metric(c, "vllm:time_to_first_token_seconds_count") == 3
         assert await metric(c, "vllm:e2e_request_latency_seconds_count") == 3
         assert await metric(c, "vllm:e2e_request_latency_seconds_bucket", le="+Inf") == 3
-        info = await metric(c, "vllm:cache_config_info", block_size="16", num_gpu_blocks="131072")
+        info = await metric(c, "vllm:cache_config_info", block_size="16", num_gpu_blocks=str(SimConfig().num_gpu_blocks))
         assert info == 1.0
 
 

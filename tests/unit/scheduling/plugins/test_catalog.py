@@ -402,10 +402,10 @@ def route(scorer: NoHitLRUScorer, producer: ApproxPrefixCacheProducer, r: LLMReq
 def test_nohit_cold_requests_rotate_over_lru() -> None:
     scorer, producer = nohit_with_prefix()
     eps = [ep(1), ep(2), ep(3)]
-    # Never-used endpoints first, in candidate order: 1, 0.5, 0.
-    assert route(scorer, producer, req("a" * 32, rid="1"), eps) == [1.0, 0.5, 0.0]
-    # ep1 is now the most recently used; the never-used ones rank first.
-    assert route(scorer, producer, req("b" * 32, rid="2"), eps) == [0.0, 1.0, 0.5]
+    # Never-used endpoints share the top score (no list-order bias, as llm-d's map order).
+    assert route(scorer, producer, req("a" * 32, rid="1"), eps) == [1.0, 1.0, 1.0]
+    # ep1 is now the most recently used; the never-used ones rank first, together.
+    assert route(scorer, producer, req("b" * 32, rid="2"), eps) == [0.0, 1.0, 1.0]
     assert route(scorer, producer, req("c" * 32, rid="3"), eps) == [0.5, 0.0, 1.0]
     # All used (order ep1, ep2, ep3): least recently used first.
     assert route(scorer, producer, req("d" * 32, rid="4"), eps) == [1.0, 0.5, 0.0]

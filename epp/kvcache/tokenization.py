@@ -1,0 +1,307 @@
+"""Tokenizer backends of ``token-producer``: the model server over HTTP, a local Hugging
+Face ``tokenizers`` tokenizer (with its chat template), or llm-d's byte-packing estimate.
+
+References (read, not copied): llm-d-router v0.10.0
+``pkg/epp/framework/plugins/requestcontrol/dataproducer/tokenizer/`` (``vllm_http.go``:
+``POST {url}/v1/completions/render`` and ``/v1/chat/completions/render`` with the
+request's own body and ``model`` set to ``modelName``; ``estimate.go``), vLLM's
+``/tokenize`` API (``vllm/entrypoints/openai/protocol.py``: ``TokenizeCompletionRequest``
+``{model, prompt, add_special_tokens=True}``, ``TokenizeChatRequest`` ``{model, messages,
+add_generation_prompt=True, continue_final_message=False, add_special_tokens=False,
+chat_template, chat_template_kwargs, tools}`` → ``{count, max_model_len, tokens}``) and
+Hugging Face ``transformers``' ``apply_chat_template`` (a sandboxed jinja2 environment
+with ``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``tojson``, and the
+tokenizer's special tokens as variables).
+
+The HTTP backend asks llm-d's render endpoints first and falls back, once and for good,
+to ``/tokenize`` when the server answers 404 there (a plain ``vllm serve`` before the
+render API, or the simulator).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pathlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import aiohttp
+
+__all__ = [
+    "EstimateTokenizer",
+    "HttpTokenizer",
+    "LocalTokenizer",
+    "TokenizeError",
+    "TokenizedPrompt",
+    "TokenizerBackend",
+    "chat_request",
+]
+
+COMPLETIONS_RENDER_PATH = "/v1/completions/render"
+CHAT_RENDER_PATH = "/v1/chat/completions/render"
+TOKENIZE_PATH = "/tokenize"
+
+
+class TokenizeError(Exception):
+    """Tokenization failed (the request is then scheduled without tokens)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizedPrompt:
+    """llm-d's ``TokenizedPrompt``: the prompt's token ids and its cache salt."""
+
+    token_ids: tuple[int, ...]
+    cache_salt: str | None = None
+    source: str = ""  # which backend produced them (for logs and tests)
+
+
+def chat_request(body: Mapping[str, Any] | None) -> bool:
+    return body is not None and isinstance(body.get("messages"), list)
+
+
+class TokenizerBackend(Protocol):
+    name: str
+
+    async def tokenize(self, body: Mapping[str, Any] | None, prompt: str) -> list[int]: ...
+
+    async def close(self) -> None: ...
+
+
+# ------------------------------------------------------------------------- HTTP
+
+
+class HttpTokenizer:
+    """The model server's (or a render sidecar's) tokenizer over HTTP."""
+
+    name = "vllm"
+
+    def __init__(self, url: str, model: str, timeout: float = 5.0, mm_timeout: float = 30.0
+                 ) -> None:
+        self.url = url.rstrip("/")
+        self.model = model
+        self.timeout = timeout
+        self.mm_timeout = mm_timeout
+        self._session: aiohttp.ClientSession | None = None
+        self.use_tokenize = False  # set once the render API answered 404
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession()
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _timeout_for(self, body: Mapping[str, Any] | None) -> float:
+        if chat_request(body):
+            assert body is not None
+            for m in body["messages"]:
+                if isinstance(m, Mapping) and isinstance(m.get("content"), list) and m["content"]:
+                    return self.mm_timeout
+        return self.timeout
+
+    async def _post(self, path: str, payload: Mapping[str, Any], timeout: float) -> Any:
+        try:
+            async with self._client().post(
+                    self.url + path, json=payload,
+                    timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                if resp.status == 404:
+                    return _NotFound
+                text = await resp.text()
+                if resp.status != 200:
+                    raise TokenizeError(f"{self.url}{path}: HTTP {resp.status}: {text[:1024]}")
+                return json.loads(text)
+        except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as e:
+            raise TokenizeError(f"{self.url}{path}: {type(e).__name__}: {e}") from None
+
+    async def tokenize(self, body: Mapping[str, Any] | None, prompt: str) -> list[int]:
+        chat = chat_request(body)
+        payload: dict[str, Any] = dict(body) if body is not None else {"prompt": prompt}
+        payload["model"] = self.model
+        timeout = self._timeout_for(body)
+        if not self.use_tokenize:
+            path = CHAT_RENDER_PATH if chat else COMPLETIONS_RENDER_PATH
+            got = await self._post(path, payload, timeout)
+            if got is not _NotFound:
+                return _render_tokens(got, chat, self.url + path)
+            self.use_tokenize = True
+        tok: dict[str, Any] = {"model": self.model}
+        if chat:
+            for k in ("messages", "add_generation_prompt", "continue_final_message",
+                      "add_special_tokens", "chat_template", "chat_template_kwargs", "tools",
+                      "documents"):
+                if k in payload:
+                    tok[k] = payload[k]
+        else:
+            p = payload.get("prompt", prompt)
+            if isinstance(p, list):  # a batch of prompts: llm-d hashes each; use the first
+                p = p[0] if p else ""
+            tok["prompt"] = p
+        got = await self._post(TOKENIZE_PATH, tok, timeout)
+        if got is _NotFound:
+            raise TokenizeError(f"{self.url}: neither {CHAT_RENDER_PATH if chat else COMPLETIONS_RENDER_PATH} "
+                                f"nor {TOKENIZE_PATH} exists (HTTP 404)")
+        tokens = got.get("tokens") if isinstance(got, Mapping) else None
+        return _ints(tokens, self.url + TOKENIZE_PATH)
+
+
+class _NotFoundType:
+    pass
+
+
+_NotFound = _NotFoundType()
+
+
+def _ints(v: Any, where: str) -> list[int]:
+    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        raise TokenizeError(f"{where}: the answer has no list of integer token ids")
+    return v
+
+
+def _render_tokens(got: Any, chat: bool, where: str) -> list[int]:
+    if chat:
+        return _ints(got.get("token_ids") if isinstance(got, Mapping) else None, where)
+    if isinstance(got, list):  # one entry per prompt
+        if not got:
+            raise TokenizeError(f"{where}: empty render response")
+        first = got[0]
+        return _ints(first.get("token_ids") if isinstance(first, Mapping) else None, where)
+    return _ints(got.get("token_ids") if isinstance(got, Mapping) else None, where)
+
+
+# ------------------------------------------------------------------------- local
+
+
+class LocalTokenizer:
+    """A Hugging Face ``tokenizers`` tokenizer from a local ``tokenizer.json`` (a file, or
+    a directory holding it and, optionally, ``tokenizer_config.json`` with
+    ``chat_template``/``bos_token``/``eos_token``)."""
+
+    name = "local"
+
+    def __init__(self, path: str, chat_template: str | None = None) -> None:
+        from tokenizers import Tokenizer
+
+        p = pathlib.Path(path)
+        file = p / "tokenizer.json" if p.is_dir() else p
+        if not file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json at {path}")
+        self._tok = Tokenizer.from_file(str(file))
+        config: dict[str, Any] = {}
+        cfg_file = file.parent / "tokenizer_config.json"
+        if cfg_file.is_file():
+            config = json.loads(cfg_file.read_text())
+        self.special: dict[str, str] = {}
+        for k in ("bos_token", "eos_token", "unk_token", "pad_token"):
+            v = config.get(k)
+            if isinstance(v, Mapping):
+                v = v.get("content")
+            if isinstance(v, str):
+                self.special[k] = v
+        template = chat_template if chat_template is not None else config.get("chat_template")
+        if isinstance(template, list):  # named templates: the "default" one
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+            template = named.get("default")
+        self.chat_template: str | None = template if isinstance(template, str) else None
+
+    async def close(self) -> None:
+        return None
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return ids
+
+    def render_chat(self, body: Mapping[str, Any]) -> str:
+        template = body.get("chat_template") or self.chat_template
+        if not isinstance(template, str):
+            raise TokenizeError("chat request but the local tokenizer has no chat_template")
+        return render_chat_template(
+            template, body["messages"],
+            add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+            continue_final_message=bool(body.get("continue_final_message", False)),
+            tools=body.get("tools"), documents=body.get("documents"),
+            special=self.special, kwargs=body.get("chat_template_kwargs") or {})
+
+    async def tokenize(self, body: Mapping[str, Any] | None, prompt: str) -> list[int]:
+        if body is not None and chat_request(body):
+            text = self.render_chat(body)
+            # vLLM's chat default: the template already carries the special tokens
+            return self.encode(text, bool(body.get("add_special_tokens", False)))
+        p: Any = body.get("prompt", prompt) if body is not None else prompt
+        if isinstance(p, list) and p and all(isinstance(t, int) for t in p):
+            return list(p)  # already token ids
+        if isinstance(p, list):
+            p = p[0] if p else ""
+        if not isinstance(p, str):
+            p = prompt
+        add = bool(body.get("add_special_tokens", True)) if body is not None else True
+        return self.encode(p, add)
+
+
+def render_chat_template(template: str, messages: Sequence[Any], *,
+                         add_generation_prompt: bool = True,
+                         continue_final_message: bool = False,
+                         tools: Any = None, documents: Any = None,
+                         special: Mapping[str, str] | None = None,
+                         kwargs: Mapping[str, Any] | None = None) -> str:
+    """Render a Hugging Face chat template the way ``apply_chat_template`` does."""
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: Any = None, sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
+                          separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    try:
+        compiled = env.from_string(template)
+        text = compiled.render(messages=list(messages), tools=tools, documents=documents,
+                               add_generation_prompt=add_generation_prompt,
+                               **dict(special or {}), **dict(kwargs or {}))
+    except TemplateError as e:
+        raise TokenizeError(f"chat template: {e}") from None
+    if continue_final_message and messages:
+        last = messages[-1]
+        content = last.get("content") if isinstance(last, Mapping) else None
+        if isinstance(content, str) and content.strip() and content.strip() in text:
+            text = text[: text.rindex(content.strip()) + len(content.strip())]
+    return text
+
+
+# ------------------------------------------------------------------------- estimate
+
+
+class EstimateTokenizer:
+    """llm-d's ``estimate`` backend: no tokenizer; the prompt's UTF-8 bytes packed four
+    to a pseudo-token (≈4 bytes/token). The ids do not match any engine's tokens, so
+    precise prefix routing only works if the engines' events are hashed the same way —
+    they are not; configure a real backend for it (llm-d warns the same)."""
+
+    name = "estimate"
+
+    async def close(self) -> None:
+        return None
+
+    async def tokenize(self, body: Mapping[str, Any] | None, prompt: str) -> list[int]:
+        data = prompt.encode("utf-8")
+        return [int.from_bytes(data[i:i + 4], "little") for i in range(0, len(data), 4)]
+
+
+async def with_budget(coro: Any, seconds: float) -> Any:
+    """``coro`` within ``seconds`` (TokenizeError when it runs out)."""
+    try:
+        async with asyncio.timeout(seconds):
+            return await coro
+    except TimeoutError:
+        raise TokenizeError(f"tokenization took longer than {seconds:g}s") from None

@@ -1,0 +1,179 @@
+"""``token-producer`` (llm-d-router): tokenize the request before scheduling.
+
+llm-d-router v0.10.0 ``pkg/epp/framework/plugins/requestcontrol/dataproducer/tokenizer/``
+(``tokenizer.go``, ``vllm_http.go``, its README): a PrepareData producer that puts the
+prompt's token ids (``TokenizedPrompt``) on the request for ``precise-prefix-cache-
+producer``; skipped when the request already carries them; a failure is logged and the
+request is scheduled without tokens.
+
+Parameters (llm-d's): ``modelName``; ``vllm: {url (http://localhost:8000), timeout (5s),
+mmTimeout (30s)}`` — the model server's ``/v1/completions/render`` and
+``/v1/chat/completions/render``, falling back to vLLM's ``/tokenize``; ``estimate: {…}``
+(the byte-packing estimate, llm-d's default when no backend is set; its image/video
+tunables have no effect here: text only). Backend selection as llm-d: ``vllm`` or
+``modelName`` → HTTP; otherwise ``estimate``. ``udsTokenizerConfig`` (llm-d's deprecated
+gRPC sidecar) is refused with the fix. This project adds ``local: {path, chatTemplate}``:
+a Hugging Face ``tokenizers`` ``tokenizer.json`` (file or directory, with its
+``tokenizer_config.json``) run in process, chat templates rendered with jinja2 as
+``transformers`` does. The legacy type name ``tokenizer`` is accepted with a warning.
+
+The tokens live in ``request.plugin_state["TokenizedPrompt"]``
+(:class:`~epp.kvcache.tokenization.TokenizedPrompt`). The chat body comes from the
+Director (``plugin_state["request.body"]``); without it (a non-JSON body, the
+multi-worker front) the prompt text is tokenized as a completion.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Final
+
+from epp import keys
+from epp.errors import ConfigError
+from epp.framework.handle import PluginHandle
+from epp.framework.interfaces import PREPARE_DATA_TIMEOUT_S
+from epp.framework.params import (
+    config_warning,
+    decode_params,
+    param,
+    positive_duration,
+    report_unknown,
+)
+from epp.kvcache.tokenization import (
+    EstimateTokenizer,
+    HttpTokenizer,
+    LocalTokenizer,
+    TokenizedPrompt,
+    TokenizeError,
+    TokenizerBackend,
+    with_budget,
+)
+from epp.scheduling.types import Endpoint, LLMRequest
+
+log = logging.getLogger(__name__)
+
+#: ``request.plugin_state`` key of the :class:`TokenizedPrompt` (llm-d's data key name).
+TOKENIZED_PROMPT: Final = "TokenizedPrompt"
+DEFAULT_VLLM_URL: Final = "http://localhost:8000"
+
+
+@dataclass(frozen=True)
+class VLLMParameters:
+    url: str = param("url", DEFAULT_VLLM_URL)
+    timeout: float = param("timeout", 5.0, parse=positive_duration)
+    mm_timeout: float = param("mmTimeout", 30.0, parse=positive_duration)
+
+
+@dataclass(frozen=True)
+class LocalParameters:
+    path: str = param("path", "")
+    chat_template: str | None = param("chatTemplate", None)
+
+
+def _vllm(v: Any, path: str) -> VLLMParameters:
+    return decode_params(VLLMParameters, v, path)
+
+
+def _local(v: Any, path: str) -> LocalParameters:
+    p = decode_params(LocalParameters, v, path)
+    if not p.path:
+        raise ConfigError(f"{path}.path: required: the tokenizer.json file or its directory")
+    return p
+
+
+def _estimate(v: Any, path: str) -> Mapping[str, Any]:
+    if not isinstance(v, Mapping):
+        raise ConfigError(f"{path}: expected a mapping, got {type(v).__name__}")
+    report_unknown(path, set(v) - {"image", "video"}, ["image", "video"])
+    return v
+
+
+def _uds(v: Any, path: str) -> Any:
+    raise ConfigError(f"{path}: llm-d's deprecated gRPC-over-UDS tokenizer is not supported; "
+                      "set 'vllm: {url: http://<model server>:8000}' (or 'local: {path: …}') "
+                      "instead")
+
+
+@dataclass(frozen=True)
+class TokenProducerParameters:
+    model_name: str = param("modelName", "")
+    vllm: VLLMParameters | None = param("vllm", None, parse=_vllm)  # noqa: RUF009 -- param() is the framework's field(); frozen default
+    estimate: Mapping[str, Any] | None = param("estimate", None, parse=_estimate)
+    uds: Any = param("udsTokenizerConfig", None, parse=_uds)  # noqa: RUF009 -- param() is the framework's field(); frozen default
+    local: LocalParameters | None = param("local", None, parse=_local)  # noqa: RUF009 -- param() is the framework's field(); frozen default
+
+
+class TokenProducer:
+    type_name = "token-producer"
+    produces = MappingProxyType({TOKENIZED_PROMPT: "TokenizedPrompt"})
+    Parameters = TokenProducerParameters
+
+    def __init__(self, name: str, backend: TokenizerBackend) -> None:
+        self.name = name
+        self.backend = backend
+        self.failures = 0
+
+    @classmethod
+    def from_params(cls, name: str, params: TokenProducerParameters,
+                    handle: PluginHandle) -> TokenProducer:
+        backend: TokenizerBackend
+        if params.local is not None:
+            if params.vllm is not None or params.estimate is not None:
+                raise ConfigError(f"{name}: set one tokenizer backend: 'local', 'vllm' or "
+                                  "'estimate'")
+            try:
+                backend = LocalTokenizer(params.local.path, params.local.chat_template)
+            except Exception as e:  # noqa: BLE001 -- tokenizers raises bare Exception
+                raise ConfigError(f"{name}.local.path: cannot load the tokenizer from "
+                                  f"{params.local.path!r}: {e}") from None
+        elif params.vllm is not None or params.model_name:
+            if params.estimate is not None:
+                raise ConfigError(f"{name}: 'estimate' and 'vllm'/'modelName' exclude each "
+                                  "other; set one backend")
+            v = params.vllm or VLLMParameters()
+            backend = HttpTokenizer(v.url, params.model_name, v.timeout, v.mm_timeout)
+        else:
+            backend = EstimateTokenizer()
+        return cls(name, backend)
+
+    async def prepare_request_data(self, request: LLMRequest,
+                                   endpoints: Sequence[Endpoint]) -> None:
+        if TOKENIZED_PROMPT in request.plugin_state:
+            return
+        body = request.plugin_state.get(keys.PLUGIN_STATE_REQUEST_BODY)
+        try:
+            ids = await with_budget(self.backend.tokenize(body, request.prompt),
+                                    PREPARE_DATA_TIMEOUT_S)
+        except TokenizeError as e:
+            self.failures += 1
+            log.warning("%s: request %s not tokenized: %s", self.name, request.request_id, e)
+            return
+        if ids:
+            request.plugin_state[TOKENIZED_PROMPT] = TokenizedPrompt(
+                tuple(ids), request.cache_salt, self.backend.name)
+
+    async def start_background(self) -> None:
+        return None
+
+    async def stop_background(self) -> None:
+        await self.backend.close()
+
+
+class LegacyTokenizer(TokenProducer):
+    """llm-d's deprecated type name ``tokenizer``."""
+
+    type_name = "tokenizer"
+
+    @classmethod
+    def from_params(cls, name: str, params: TokenProducerParameters,
+                    handle: PluginHandle) -> TokenProducer:
+        config_warning(name, "plugin type 'tokenizer' is deprecated; use 'token-producer'")
+        return super().from_params(name, params, handle)
+
+
+def tokenized(request: LLMRequest) -> TokenizedPrompt | None:
+    got = request.plugin_state.get(TOKENIZED_PROMPT)
+    return got if isinstance(got, TokenizedPrompt) else None

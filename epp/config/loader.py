@@ -4,7 +4,7 @@ apix/config/v1alpha1/endpointpickerconfig_types.go; cmd/epp/runner/runner.go).
 
 Phase 1, :func:`parse_config`: YAML → validated frozen dataclasses. As GIE decodes the
 document strictly, an unknown key anywhere in the structure (top level, a plugin entry, a
-profile, ``dataLayer``, ``parser``, ``saturationDetector``), a duplicate key, an unknown
+profile, ``dataLayer``, ``parser``, ``requestHandler``, ``saturationDetector``), a duplicate key, an unknown
 feature gate or a value of the wrong type is an error.
 
 Phase 2, :func:`build`: every plugin type is resolved first (an unknown type fails before
@@ -64,6 +64,8 @@ from epp.framework.interfaces import (
 )
 from epp.framework.params import DecodePolicy, decoding, suggest
 from epp.framework.registry import Builder, Registry
+from epp.parsing.dispatch import ParserRouter
+from epp.parsing.parser import Parser
 from epp.scheduling.plugins.catalog import default_registry
 from epp.scheduling.plugins.datalayer import EndpointNotificationSource, K8sNotificationSource
 from epp.scheduling.scheduler import Scheduler, SchedulerProfile
@@ -114,7 +116,7 @@ METRICS_DATA_SOURCE = "metrics-data-source"
 CORE_METRICS_EXTRACTOR = "core-metrics-extractor"
 
 _TOP_KEYS = {"apiVersion", "kind", "featureGates", "plugins", "schedulingProfiles",
-             "saturationDetector", "dataLayer", "parser", "flowControl"}
+             "saturationDetector", "dataLayer", "parser", "flowControl", "requestHandler"}
 _RENAMED = {
     "data": "'data' is GIE v1.4's name of this section; GIE v1.5.0 reads only 'dataLayer' "
             "(and rejects 'data'): rename it to 'dataLayer'",
@@ -171,6 +173,16 @@ class ParserSpec:
 
 
 @dataclass(frozen=True)
+class RequestHandlerSpec:
+    """llm-d-router's ``requestHandler: {parsers: [{pluginRef: NAME}, …]}``
+    (apix/config/v1alpha1 RequestHandlerConfig): the parsers, in order of precedence
+    (epp/parsing/dispatch.py). Empty: no parsers listed (the default parser)."""
+
+    parsers: tuple[ParserSpec, ...]
+    path: str = "requestHandler"
+
+
+@dataclass(frozen=True)
 class EndpointPickerConfig:
     source: str
     plugins: tuple[PluginSpec, ...]
@@ -184,6 +196,7 @@ class EndpointPickerConfig:
     # The ``flowControl`` section, decoded strictly whether or not the gate is on (None:
     # absent); built into :attr:`BuiltConfig.flow_control` only under the gate.
     flow_control: FlowControlSpec | None = None
+    request_handler: RequestHandlerSpec | None = None  # None: no ``requestHandler``
 
 
 @dataclass
@@ -426,6 +439,15 @@ def parse_config(text: str, source: str = "<config>") -> EndpointPickerConfig:
         _check_keys(source, "parser", p, {"pluginRef"})
         parser = ParserSpec(_name(source, "parser.pluginRef", p.get("pluginRef")))
 
+    request_handler: RequestHandlerSpec | None = None
+    if doc.get("requestHandler") is not None:
+        request_handler = _request_handler(source, doc["requestHandler"])
+        if parser is not None and request_handler.parsers:
+            # llm-d-router: "If both are set, the new field is used."
+            warnings.append("both 'parser' and 'requestHandler.parsers' are set: "
+                            "'requestHandler.parsers' is used (llm-d-router deprecates "
+                            "the top-level 'parser')")
+
     flow_control: FlowControlSpec | None = None
     if "flowControl" in doc:
         # Decoded (strictly: unknown keys, bad quantities and durations fail) even when
@@ -449,7 +471,25 @@ def parse_config(text: str, source: str = "<config>") -> EndpointPickerConfig:
             warnings += flow_control.warnings
 
     return EndpointPickerConfig(source, tuple(plugins), tuple(profiles), gates, sat_ref,
-                                data_layer, parser, tuple(warnings), flow_control)
+                                data_layer, parser, tuple(warnings), flow_control,
+                                request_handler)
+
+
+def _request_handler(source: str, raw: Any) -> RequestHandlerSpec:
+    """Decode ``requestHandler`` strictly (llm-d-router v0.10.0 RequestHandlerConfig)."""
+    rh = _mapping(source, "requestHandler", raw)
+    _check_keys(source, "requestHandler", rh, {"parsers"})
+    specs: list[ParserSpec] = []
+    for i, e in enumerate(_list(source, "requestHandler.parsers", rh.get("parsers") or [])):
+        epath = f"requestHandler.parsers[{i}]"
+        e = _mapping(source, epath, e)
+        _check_keys(source, epath, e, {"pluginRef"})
+        if "pluginRef" not in e:
+            raise _err(source, epath, "missing 'pluginRef' (the name of a parser plugin, "
+                       "e.g. openai-parser)")
+        specs.append(ParserSpec(_name(source, f"{epath}.pluginRef", e["pluginRef"]),
+                                f"{epath}.pluginRef"))
+    return RequestHandlerSpec(tuple(specs))
 
 
 def apply_env_feature_gates(config: EndpointPickerConfig,
@@ -841,6 +881,9 @@ class _Builder:
     # --- parser: ensureParser, buildParserConfig ---
 
     def _parser(self) -> RequestParser | None:
+        rh = self.config.request_handler
+        if rh is not None and rh.parsers:
+            return self._parsers(rh)
         spec = self.config.parser
         name = spec.plugin_ref if spec is not None else OPENAI_PARSER
         plugin = self.handle.get(name)
@@ -855,6 +898,30 @@ class _Builder:
                            f"{name!r} ({plugin.type_name}) is not a parser plugin "
                            "(openai-parser, passthrough-parser, vllmgrpc-parser)")
         return plugin
+
+    def _parsers(self, rh: RequestHandlerSpec) -> RequestParser:
+        """llm-d-router's buildParserRegistry: every listed name must be a parser plugin
+        declared in ``plugins`` (llm-d's validateParsers). One parser: it reads every request,
+        as ``parser:`` does. Several: a ParserRouter picks one by path."""
+        plugins: list[Parser] = []
+        for spec in rh.parsers:
+            plugin = self.handle.get(spec.plugin_ref)
+            if plugin is None:  # llm-d's validateParsers: "references undefined plugin"
+                raise self._no_plugin(spec.path, spec.plugin_ref,
+                                      " (a parser plugin declared there, e.g. "
+                                      "'- type: openai-parser')")
+            if not isinstance(plugin, Parser):
+                raise self.err(spec.path, f"{spec.plugin_ref!r} ({plugin.type_name}) is not a "
+                               "parser plugin (openai-parser, anthropic-parser, "
+                               "vllmhttp-parser, vllmgrpc-parser, vertexai-parser, "
+                               "passthrough-parser)")
+            plugins.append(plugin)
+        if len(plugins) == 1:
+            return plugins[0]
+        router = ParserRouter(plugins)
+        for w in router.warnings:
+            self.warn(f"{rh.path}.parsers", w)
+        return router
 
 
 def load_and_build(path: str | None = None, text: str | None = None,

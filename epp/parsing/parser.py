@@ -2,7 +2,9 @@
 
 GIE v1.5.0's ``requesthandling.Parser`` (pkg/epp/framework/interface/requesthandling/
 plugins.go): the config's ``parser: {pluginRef: NAME}`` names one parser plugin for the
-whole EPP; without it the ``openai-parser`` is used. The Director hands it every request
+whole EPP; without it the ``openai-parser`` is used. llm-d-router's ``requestHandler:
+{parsers: [...]}`` may name several, chosen per request by path
+(:class:`epp.parsing.dispatch.ParserRouter`). The Director hands it every request
 body and, through the :class:`ResponseParser` it makes per response, every response
 body chunk. Built-in parsers: :mod:`epp.parsing.parsers`.
 """

@@ -7,10 +7,14 @@
   (:mod:`epp.parsing.vllm_grpc`); usage from the gRPC responses.
 - ``vllmhttp-parser`` (llm-d-router's): vLLM's ``/inference/v1/generate``
   (:mod:`epp.parsing.vllm_http`); every other path goes to the openai-parser.
+- ``anthropic-parser`` (llm-d-router's): Anthropic Messages API ``…/messages`` and
+  ``…/messages/count_tokens`` (:mod:`epp.parsing.anthropic`).
+- ``vertexai-parser`` (llm-d-router's): Vertex AI gRPC ``PredictionService`` methods
+  wrapping OpenAI JSON (:mod:`epp.parsing.vertexai`).
 
 None takes parameters. GIE sources: pkg/epp/framework/plugins/requesthandling/parsers/
-{openai,passthrough,vllmgrpc} (v1.5.0); llm-d-router's
-pkg/epp/framework/plugins/requesthandling/parsers/vllmhttp.
+{openai,passthrough,vllmgrpc} (v1.5.0); llm-d-router's (v0.10.0)
+pkg/epp/framework/plugins/requesthandling/parsers/{vllmhttp,anthropic,vertexai}.
 """
 
 from __future__ import annotations
@@ -21,9 +25,11 @@ from typing import Self
 from epp import keys
 from epp.framework.handle import PluginHandle
 from epp.framework.params import NoParameters
+from epp.parsing.anthropic import AnthropicUsageParser, is_count_tokens, parse_messages_request
 from epp.parsing.parser import ResponseParser
 from epp.parsing.request import ParsedRequest, parse_request_body
 from epp.parsing.usage import UsageParser
+from epp.parsing.vertexai import VertexUsageParser, method_of, parse_vertex_request
 from epp.parsing.vllm_grpc import GrpcUsageParser, parse_grpc_request
 from epp.parsing.vllm_http import is_generate_path, parse_generate_request
 from epp.scheduling.types import ApiType, LLMRequest
@@ -105,6 +111,44 @@ class VllmHttpParser(OpenAIParser):
         return super().parse_request(headers, body)
 
 
+class AnthropicParser(_ParserPlugin):
+    """Anthropic's Messages API: ``…/messages`` bodies (``messages`` required; ``system``,
+    ``tools``, ``model``, ``stream``, ``max_tokens``, ``cache_salt`` read), usage from JSON
+    or SSE (``message_start``/``message_delta``) responses; ``…/messages/count_tokens``
+    passes through unread; any other path is answered 400."""
+
+    type_name = "anthropic-parser"
+    parser_protocol = "anthropic"
+
+    def parse_request(self, headers: Mapping[str, str], body: bytes) -> ParsedRequest:
+        return parse_messages_request(headers, body)
+
+    def response_parser(self, request: LLMRequest,
+                        headers: Mapping[str, str]) -> ResponseParser | None:
+        if is_count_tokens(request.headers):
+            return None
+        ctype = headers.get(keys.HEADER_CONTENT_TYPE, "").lower()
+        return AnthropicUsageParser(sse=keys.CONTENT_TYPE_SSE in ctype)
+
+
+class VertexAIParser(_ParserPlugin):
+    """Vertex AI's gRPC ``PredictionService/ChatCompletions``, ``…/StreamRawPredict`` and
+    ``…/RawPredict``: the OpenAI JSON in the request's ``HttpBody`` is read as the
+    openai-parser reads it and the request forwarded byte for byte; usage from the
+    ``HttpBody`` responses. Other methods pass through unread."""
+
+    type_name = "vertexai-parser"
+    parser_protocol = "vertexai"
+
+    def parse_request(self, headers: Mapping[str, str], body: bytes) -> ParsedRequest:
+        return parse_vertex_request(headers, body)
+
+    def response_parser(self, request: LLMRequest,
+                        headers: Mapping[str, str]) -> ResponseParser | None:
+        return None if method_of(request.headers) is None else VertexUsageParser()
+
+
 BUILTIN_PARSERS: tuple[type[_ParserPlugin], ...] = (
-    OpenAIParser, PassthroughParser, VllmGrpcParser, VllmHttpParser)
+    OpenAIParser, PassthroughParser, VllmGrpcParser, VllmHttpParser, AnthropicParser,
+    VertexAIParser)
 DEFAULT_PARSER = OpenAIParser.type_name

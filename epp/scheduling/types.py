@@ -58,6 +58,7 @@ class Metrics:
     updated_at: float | None = None
     stale: bool = False
     unreachable: bool = False
+    attributes: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}), hash=False)  # named scalar values from data sources (llm-d's ScalarMetricValue endpoint attributes)
 
     def age(self, now: float) -> float | None:
         """Seconds since the last successful scrape, or None if never scraped."""

@@ -600,11 +600,18 @@ def _front_parser(parser_type: str | None) -> Parser | None:
     from epp.framework.handle import PluginHandle
     from epp.scheduling.plugins.catalog import default_registry
 
-    built = default_registry().builder(parser_type, "--parser")(
-        parser_type, None, "parser.parameters", PluginHandle())
-    if not isinstance(built, Parser):
-        raise SystemExit(f"--parser {parser_type!r} is not a parser plugin")
-    return built
+    parsers: list[Parser] = []
+    for t in parser_type.split(","):  # several: requestHandler.parsers (ParserRouter)
+        built = default_registry().builder(t, "--parser")(
+            t, None, "parser.parameters", PluginHandle())
+        if not isinstance(built, Parser):
+            raise SystemExit(f"--parser {t!r} is not a parser plugin")
+        parsers.append(built)
+    if len(parsers) == 1:
+        return parsers[0]
+    from epp.parsing.dispatch import ParserRouter
+
+    return ParserRouter(parsers)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,16 +13,19 @@ from epp.parsing.parsers import BUILTIN_PARSERS
 from epp.scheduling.plugins import (
     admitters,
     affinity,
+    attributes,
     concurrency,
     conformance,
     datalayer,
     filters,
     handlers,
+    header_affinity,
     latency_admitter,
     latency_filter,
     latency_monolith,
     latency_producer,
     latency_scorer,
+    llmd_handlers,
     load,
     lora,
     nohit,
@@ -66,6 +69,12 @@ BUILTIN_PLUGINS: tuple[type, ...] = (
     load.TokenLoadScorer,
     load.InFlightLoadProducer,
     session.SessionAffinityScorer,
+    session.SessionAffinityFilter,  # issue 18: llm-d's session filter and these below
+    attributes.EndpointAttributeFilter,
+    attributes.EndpointAttributeScorer,
+    header_affinity.HeaderLabelAffinityScorer,
+    llmd_handlers.HeaderProfileHandler,
+    llmd_handlers.DataParallelProfileHandler,
     nohit.NoHitLRUScorer,
     token_producer.TokenProducer,  # issue 15: llm-d's token-producer (and its old name)
     token_producer.LegacyTokenizer,
@@ -92,7 +101,7 @@ BUILTIN_PLUGINS: tuple[type, ...] = (
     *FLOW_CONTROL_PLUGINS,  # GIE's flow-control policies (epp/flowcontrol/plugins.py)
     *LLMD_FLOW_CONTROL_PLUGINS,  # llm-d-router's (epp/flowcontrol/llmd.py)
     admitters.ProbabilisticAdmitter,  # llm-d-router's probabilistic-admitter
-    *BUILTIN_PARSERS,  # openai-parser, passthrough-parser, vllmgrpc-parser, vllmhttp-parser
+    *BUILTIN_PARSERS,  # openai-, passthrough-, vllmgrpc-, vllmhttp-, anthropic-, vertexai-parser
 )
 
 

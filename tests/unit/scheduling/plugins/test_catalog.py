@@ -99,7 +99,7 @@ def test_every_catalog_plugin_is_registered() -> None:
             "utilization-detector", "inflight-load-producer"} <= types
 
 
-@pytest.mark.parametrize("type_name", ["lora-affinity-scorer", "session-affinity-scorer"])
+@pytest.mark.parametrize("type_name", ["lora-affinity-scorer"])
 def test_parameterless_plugins_reject_parameters(type_name: str) -> None:
     param_error(type_name, {"x": 1}, "plugins[0].parameters.x: unknown parameter",
                 "accepts: none")

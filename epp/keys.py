@@ -25,6 +25,9 @@ HEADER_TRACEPARENT: Final = "traceparent"
 # --- Routing headers (output; never accepted from clients) ---
 HEADER_DESTINATION: Final = "x-gateway-destination-endpoint"
 HEADER_PREFILLER: Final = "x-prefiller-host-port"
+# llm-d's E/P/D header: the encode endpoints chosen (``ip:port`` list, comma-separated),
+# for the decode/prefill pod's sidecar to send the request's media to.
+HEADER_ENCODERS: Final = "x-encoder-hosts-ports"
 # llm-d's data-parallel header: the rank endpoint chosen, when the disagg handlers'
 # ``primaryPort`` sends the request to the pod's primary port (its sidecar) instead.
 HEADER_DATA_PARALLEL: Final = "x-data-parallel-host-port"
@@ -34,8 +37,8 @@ HEADER_DATA_PARALLEL: Final = "x-data-parallel-host-port"
 GRPC_MD_RESPONSE_PATH: Final = "x-epp-response-path"
 RESPONSE_PATH_OBSERVER: Final = "observer"
 HEADER_OBSERVE_TOKEN: Final = "x-epp-observe"
-ROUTING_HEADERS: Final = (HEADER_DESTINATION, HEADER_PREFILLER, HEADER_DATA_PARALLEL,
-                          HEADER_OBSERVE_TOKEN)
+ROUTING_HEADERS: Final = (HEADER_DESTINATION, HEADER_PREFILLER, HEADER_ENCODERS,
+                          HEADER_DATA_PARALLEL, HEADER_OBSERVE_TOKEN)
 
 # --- Dynamic metadata ---
 METADATA_NAMESPACE_LB: Final = "envoy.lb"
@@ -69,7 +72,11 @@ LABEL_ROLE: Final = "llm-d.ai/role"
 LABEL_ROLE_DYNAMO: Final = "nvidia.com/dynamo-sub-component-type"
 ROLE_PREFILL: Final = "prefill"
 ROLE_DECODE: Final = "decode"
-ROLES_DECODE_CAPABLE: Final = frozenset({"decode", "prefill-decode", "both", "decode-prefill"})
+# llm-d's encode-filter keeps these roles (encode is the first stage: E -> P -> D).
+ROLES_ENCODE_CAPABLE: Final = frozenset({"encode", "encode-prefill", "encode-prefill-decode"})
+ROLES_DECODE_CAPABLE: Final = frozenset({"decode", "prefill-decode", "both", "decode-prefill",
+                                         "encode-prefill-decode"})
+ROLES_PREFILL_CAPABLE: Final = frozenset({"prefill", "encode-prefill", "encode-prefill-decode"})
 
 # --- NVIDIA Grove pod labels (design.md §7) ---
 LABEL_GROVE_PODCLIQUE: Final = "grove.io/podclique"

@@ -32,6 +32,7 @@ import yaml
 from epp import keys
 from epp.datalayer.config import DataLayerConfig, SourceConfig
 from epp.datalayer.dependencies import DependencyError, check_data_dependencies
+from epp.datalayer.polling import PollingExtractor, PollingSource
 from epp.errors import ConfigError
 from epp.flowcontrol.config import (
     FlowControlConfig,
@@ -805,7 +806,8 @@ class _Builder:
             if not isinstance(plugin, DataSource):
                 raise self.err(f"{s.path}.pluginRef", f"{s.plugin_ref!r} ({plugin.type_name}) "
                                "is not a data source (metrics-data-source, "
-                               "endpoint-notification-source, k8s-notification-source)")
+                               "endpoint-notification-source, k8s-notification-source, "
+                               "dcgm-data-source)")
             extractors: list[DataExtractor] = []
             for j, ref in enumerate(s.extractors):
                 epath = f"{s.path}.extractors[{j}].pluginRef"
@@ -848,6 +850,13 @@ class _Builder:
             needs = (NotificationExtractor, "gvk and extract_notification(event, obj)")
         elif isinstance(source, EndpointNotificationSource):
             needs = (EndpointExtractor, "extract_endpoint(event, endpoint)")
+        elif isinstance(source, PollingSource):
+            needs = (PollingExtractor, "extract_poll(payload, endpoint)")
+        elif isinstance(extractor, PollingExtractor):
+            raise self.err(path, f"extractor {extractor.name!r} ({extractor.type_name}) reads "
+                           f"a polling source (dcgm-data-source); source {source.name!r} "
+                           f"({source.type_name}) does not feed it: attach it to a "
+                           "dcgm-data-source")
         if needs is not None and not isinstance(extractor, needs[0]):
             raise self.err(path, f"extractor {extractor.name!r} ({extractor.type_name}) is "
                            f"not a {source.type_name} extractor: it needs {needs[1]} "

@@ -6,8 +6,9 @@ The loader (epp/config/loader.py) builds a :class:`DataLayerConfig` from
 ``enableLegacyMetrics`` feature gate (GIE's legacy metrics path: the scraper configured by
 the flags alone, as before the data layer existed). The server turns it into the
 scraper's settings with :func:`scraper_settings` and connects the endpoint notification
-sources with :func:`attach_sources`; the ``k8s-notification-source`` watches are
-epp/datalayer/notifications.py's.
+sources with :func:`attach_sources`; the polling sources (``dcgm-data-source``,
+:func:`polling_sources`) run in epp/datalayer/polling.py; the ``k8s-notification-source``
+watches are epp/datalayer/notifications.py's.
 
 Precedence for the scrape URL, as in GIE: built-in default < ``--model-server-metrics-*``
 flag < the ``metrics-data-source`` parameter. The metric-name flags
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from epp.datalayer.engines import EngineMappings, MappingOverrides
+from epp.datalayer.polling import PollingExtractor, PollingSource
 from epp.datalayer.scraper import ScrapeOptions
 from epp.datastore.store import Datastore
 from epp.framework.interfaces import (
@@ -131,3 +133,20 @@ def _dispatch(targets: list[EndpointExtractor], event: str, ep: Endpoint) -> Non
         except Exception:  # one extractor's bug must not break discovery (GIE logs it too)
             log.exception("data layer: endpoint extractor %s failed on %s %s", t.name, event,
                           ep.key)
+
+
+def polling_sources(data_layer: DataLayerConfig | None,
+                    ) -> list[tuple[PollingSource, list[PollingExtractor]]]:
+    """The polling sources (``dcgm-data-source``) with their extractors, for
+    :class:`~epp.datalayer.polling.PollingRunner` (a source without extractors is not
+    polled: nothing would read what it fetches)."""
+    out: list[tuple[PollingSource, list[PollingExtractor]]] = []
+    for entry in data_layer.sources if data_layer is not None else ():
+        if not isinstance(entry.source, PollingSource):
+            continue
+        targets = [e for e in entry.extractors if isinstance(e, PollingExtractor)]
+        if targets:
+            out.append((entry.source, targets))
+        else:
+            log.warning("data layer: %s has no extractor; it is not polled", entry.source.name)
+    return out

@@ -756,10 +756,19 @@ class MetricsScraper:
 
     # ------------------------------------------------------------------ datastore writes
 
+    def _with_attributes(self, key: str, m: Metrics) -> Metrics:
+        """``m`` with the endpoint's current attributes: the scraper never sets them; other
+        data sources (dcgm-data-source, epp/datalayer/polling.py) merge theirs into the
+        store, and a scrape's fresh Metrics must not drop them."""
+        ep = self._store.get(key)
+        if ep is None or ep.metrics.attributes is m.attributes or not ep.metrics.attributes:
+            return m
+        return replace(m, attributes=ep.metrics.attributes)
+
     def _stage(self, st: _EndpointState, m: Metrics) -> None:
         st.metrics = m
         if self.options.commit_interval_s <= 0:
-            self._store.update_metrics(st.key, m)
+            self._store.update_metrics(st.key, self._with_attributes(st.key, m))
             self.commits += 1
             return
         self._pending[st.key] = m
@@ -774,7 +783,8 @@ class MetricsScraper:
         if not self._pending:
             return
         pending, self._pending = self._pending, {}
-        self._store.update_metrics_many(pending)
+        self._store.update_metrics_many(
+            {k: self._with_attributes(k, m) for k, m in pending.items()})
         self.commits += 1
 
 

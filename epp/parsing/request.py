@@ -461,6 +461,50 @@ def _render_chat(data: dict[str, Any]) -> str:
     return "".join(out)
 
 
+# Chat content-part types that carry media, and their modality: llm-d-router v0.10.0's
+# estimate tokenizer (dataproducer/tokenizer/estimate.go ``appendChatMessage``) reports
+# each such part as one multimodal feature, which ``always-disagg-multimodal-decider``
+# counts. Anthropic ``image`` blocks (with a ``source``) count too (``messagesBytes``).
+MULTIMODAL_PART_TYPES: Final[Mapping[str, str]] = MappingProxyType({
+    "image_url": "image",
+    "video_url": "video",
+    "input_audio": "audio",
+    "audio_url": "audio",
+})
+
+
+def multimodal_items(data: Mapping[str, Any] | None) -> tuple[str, ...]:
+    """The modality (``image``, ``video``, ``audio``) of every media part in a chat
+    body's ``messages``, in prompt order; ``()`` for text-only or non-chat bodies.
+
+    Reads the decoded body (``ParsedRequest.data``) without validating it again: parts
+    that are not objects with a string ``type`` are skipped."""
+    if data is None:
+        return ()
+    messages = data.get("messages")
+    if not isinstance(messages, list):
+        return ()
+    found: list[str] = []
+    for msg in messages:
+        if not isinstance(msg, dict):
+            continue
+        content = msg.get("content")
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if not isinstance(part, dict):
+                continue
+            ptype = part.get("type")
+            if not isinstance(ptype, str):
+                continue
+            modality = MULTIMODAL_PART_TYPES.get(ptype)
+            if modality is None and ptype == "image" and isinstance(part.get("source"), dict):
+                modality = "image"  # Anthropic Messages image block
+            if modality is not None:
+                found.append(modality)
+    return tuple(found)
+
+
 # --- responses ----------------------------------------------------------------------
 
 

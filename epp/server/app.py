@@ -173,6 +173,9 @@ class EppServer:
                 parts.metrics.registry.register(ScraperCollector(parts.scraper))
                 parts.scraper.start()
                 stack.push_async_callback(parts.scraper.stop)
+            if parts.pollers is not None:
+                parts.pollers.start()
+                stack.push_async_callback(parts.pollers.stop)
             if parts.endpoints_file is not None:
                 parts.endpoints_file.start_polling()
                 stack.push_async_callback(parts.endpoints_file.stop)

@@ -23,7 +23,8 @@ from typing import TypeVar
 from prometheus_client import Counter
 
 from epp.config.loader import BuiltConfig
-from epp.datalayer.config import attach_sources, scraper_settings
+from epp.datalayer.config import attach_sources, polling_sources, scraper_settings
+from epp.datalayer.polling import PollingRunner
 from epp.datalayer.scraper import MetricsScraper
 from epp.datastore.objectives import ObjectiveStore
 from epp.datastore.store import Datastore, RemovalListener
@@ -112,6 +113,7 @@ class ServerParts:
     # The flowControl feature gate's flow controller (the core's admission; not started);
     # None without the gate (legacy admission).
     flow_control: FlowController | None = None
+    pollers: PollingRunner | None = None  # the data layer's polling sources (dcgm-data-source)
 
 
 def wire(plan: ServePlan, built: BuiltConfig, timings: PluginTimings,
@@ -183,6 +185,8 @@ def wire(plan: ServePlan, built: BuiltConfig, timings: PluginTimings,
     scraping = scraper_settings(built.data_layer, o.scraping.enabled, o.scraping.scrape,
                                 o.scraping.metric_overrides)
     attach_sources(built.data_layer, store)  # endpoint-notification-source extractors
+    polled = polling_sources(built.data_layer)  # dcgm-data-source
+    pollers = (PollingRunner(store, polled, o.scraping.scrape.interval_s) if polled else None)
     if scraping is not None:
         scraper = MetricsScraper(store, *scraping)
         # Envoy's word that a pod refused the connection (response attributes): out of
@@ -204,7 +208,7 @@ def wire(plan: ServePlan, built: BuiltConfig, timings: PluginTimings,
                        scraper=scraper, endpoints_file=endpoints_file,
                        objectives=objectives, objectives_file=objectives_file,
                        stream_ended=stream_ended, tracker=tracker, ext_proc=ext_proc,
-                       flow_control=flow_control)
+                       flow_control=flow_control, pollers=pollers)
 
 
 def pool_label(plan: ServePlan) -> str:

@@ -17,6 +17,7 @@ from epp.scheduling.plugins import (
     concurrency,
     conformance,
     datalayer,
+    dcgm,
     filters,
     handlers,
     header_affinity,
@@ -57,10 +58,12 @@ BUILTIN_PLUGINS: tuple[type, ...] = (
     pd.PdProfileHandler,
     pd.PrefixBasedPDDecider,
     pd.AlwaysDisaggPDDecider,
+    pd.AlwaysDisaggMultimodalDecider,  # issue 18: llm-d's E/P/D (encode stage)
     pd.PrefillHeaderHandler,
     pd.DisaggHeadersHandler,
     roles.DecodeFilter,
     roles.PrefillFilter,
+    roles.EncodeFilter,
     roles.LeaderFilter,
     topology.TopologyAffinityScorer,
     lora.LoraAffinityScorer,
@@ -98,6 +101,8 @@ BUILTIN_PLUGINS: tuple[type, ...] = (
     datalayer.CoreMetricsExtractor,
     datalayer.EndpointNotificationSource,
     datalayer.K8sNotificationSource,
+    dcgm.DCGMDataSource,
+    dcgm.DCGMExtractor,
     *FLOW_CONTROL_PLUGINS,  # GIE's flow-control policies (epp/flowcontrol/plugins.py)
     *LLMD_FLOW_CONTROL_PLUGINS,  # llm-d-router's (epp/flowcontrol/llmd.py)
     admitters.ProbabilisticAdmitter,  # llm-d-router's probabilistic-admitter

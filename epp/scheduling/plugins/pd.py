@@ -1,9 +1,13 @@
-"""Prefill/decode disaggregation (llm-d semantics).
+"""Encode/prefill/decode disaggregation (llm-d semantics).
 
-``disagg-profile-handler`` runs the decode profile first; if a prefill decider says so, it
-then runs the prefill profile. The primary profile is decode. The prefill endpoint goes to
-the decode pod in ``x-prefiller-host-port``. A failed prefill profile falls back to
-decode-only; a failed decode profile fails the request (429).
+``disagg-profile-handler`` (llm-d-router v0.10.0 ``pkg/epp/framework/plugins/scheduling/
+profilehandler/disagg/disagg_profile_handler.go``) runs the decode profile first; then,
+if an encode decider is configured (``deciders.encode``) and says so, the encode profile;
+then, if a prefill decider says so, the prefill profile. The primary profile is decode.
+The prefill endpoint goes to the decode pod in ``x-prefiller-host-port``, the encode
+endpoints (every endpoint the encode profile picked, ``ip:port`` comma-separated) in
+``x-encoder-hosts-ports`` — llm-d's sidecar convention. A failed encode or prefill
+profile drops that stage; a failed decode profile fails the request (429).
 
 Deciders answer "disaggregate this request, given the decode endpoint chosen?":
 
@@ -11,6 +15,9 @@ Deciders answer "disaggregate this request, given the decode endpoint chosen?":
   on the chosen decode endpoint (estimated: prompt chars / 4 minus the prefix index's
   matched blocks × block size) are ≥ nonCachedTokens. **0 means never.**
 - ``always-disagg-pd-decider``: always yes.
+- ``always-disagg-multimodal-decider`` (for ``deciders.encode``): yes when the request
+  carries media — a chat message content part of type ``image_url``, ``video_url``,
+  ``input_audio`` or ``audio_url`` (:func:`epp.parsing.request.multimodal_items`).
 
 The legacy ``pd-profile-handler`` {threshold} applies the same non-cached-token test with
 **the opposite meaning of 0**: disaggregate when non-cached tokens ≥ threshold, so
@@ -29,6 +36,7 @@ from epp.errors import ConfigError, NoCapacity
 from epp.framework.handle import PluginHandle
 from epp.framework.interfaces import Profile
 from epp.framework.params import NoParameters, param
+from epp.parsing.request import multimodal_items
 from epp.scheduling.plugins.prefix import (
     CHARS_PER_TOKEN,
     ApproxPrefixCacheProducer,
@@ -45,6 +53,8 @@ from epp.scheduling.types import (
 # CycleState key under which the handler leaves the chosen decode endpoint for the
 # prefill profile's plugins (e.g. topology-affinity-scorer).
 DECODE_ENDPOINT_KEY = "pd.decode-endpoint"
+# CycleState key: the encode decider was asked this cycle (so it is asked once).
+_ENCODE_DECIDED_KEY = "pd.encode-decided"
 
 
 @runtime_checkable
@@ -124,6 +134,25 @@ class AlwaysDisaggPDDecider:
         return True
 
 
+class AlwaysDisaggMultimodalDecider:
+    """llm-d's encode decider: disaggregate the encode stage for requests with media."""
+
+    type_name = "always-disagg-multimodal-decider"
+    Parameters = NoParameters
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @classmethod
+    def from_params(cls, name: str, params: NoParameters,
+                    handle: PluginHandle) -> AlwaysDisaggMultimodalDecider:
+        return cls(name)
+
+    def disaggregate(self, state: CycleState, request: LLMRequest, decode: Endpoint) -> bool:
+        body = request.plugin_state.get(keys.PLUGIN_STATE_REQUEST_BODY)
+        return isinstance(body, Mapping) and bool(multimodal_items(body))
+
+
 class _ThresholdDecider:
     """The legacy pd-profile-handler's rule: non-cached tokens ≥ threshold (0 = always)."""
 
@@ -151,14 +180,15 @@ class _ThresholdDecider:
 
 
 def _profiles_param(v: Any, path: str) -> Mapping[str, str]:
-    if not isinstance(v, Mapping) or set(v) - {"decode", "prefill"}:
-        raise ConfigError(f"{path}: expected {{decode: NAME, prefill: NAME}}")
+    if not isinstance(v, Mapping) or set(v) - {"decode", "prefill", "encode"}:
+        raise ConfigError(f"{path}: expected {{decode: NAME, prefill: NAME, encode: NAME}}")
     return v
 
 
 def _deciders_param(v: Any, path: str) -> Mapping[str, str]:
-    if not isinstance(v, Mapping) or set(v) - {"prefill"}:
-        raise ConfigError(f"{path}: expected {{prefill: DECIDER-PLUGIN-NAME}}")
+    if not isinstance(v, Mapping) or set(v) - {"prefill", "encode"}:
+        raise ConfigError(f"{path}: expected {{prefill: DECIDER-PLUGIN-NAME, "
+                          "encode: DECIDER-PLUGIN-NAME}}")
     return v
 
 
@@ -169,24 +199,32 @@ class DisaggProfileHandlerParameters:
     # Deprecated flat names (older llm-d files).
     decode_profile: str | None = param("decodeProfile")
     prefill_profile: str | None = param("prefillProfile")
+    encode_profile: str | None = param("encodeProfile")
+    prefill_decider_plugin_name: str | None = param("prefillDeciderPluginName")
+    encode_decider_plugin_name: str | None = param("encodeDeciderPluginName")
     decider_plugin_name: str | None = param("deciderPluginName")
     primary_port: int = param("primaryPort", 0, minimum=0, maximum=65535)
 
 
 class DisaggProfileHandler:
-    """Decode first, then prefill when the decider says so; primary = decode."""
+    """Decode first, then encode and prefill when their deciders say so; primary = decode."""
 
     type_name = "disagg-profile-handler"
     Parameters = DisaggProfileHandlerParameters
 
     def __init__(self, name: str, decode_profile: str = "decode", prefill_profile: str = "prefill",
-                 decider_name: str | None = None, primary_port: int | None = None) -> None:
+                 decider_name: str | None = None, primary_port: int | None = None,
+                 encode_profile: str = "encode", encode_decider_name: str | None = None) -> None:
         self.name = name
         self.decode_profile = decode_profile
         self.prefill_profile = prefill_profile
+        self.encode_profile = encode_profile
         self.decider_name = decider_name
+        self.encode_decider_name = encode_decider_name
         self.primary_port = primary_port
         self.decider: PrefillDecider | None = None
+        # None: the encode stage is off (no deciders.encode), as llm-d.
+        self.encode_decider: PrefillDecider | None = None
 
     @classmethod
     def from_params(cls, name: str, params: DisaggProfileHandlerParameters,
@@ -195,22 +233,34 @@ class DisaggProfileHandler:
         deciders = params.deciders or {}
         decode = params.decode_profile or profiles.get("decode") or "decode"
         prefill = params.prefill_profile or profiles.get("prefill") or "prefill"
-        decider = params.decider_plugin_name or deciders.get("prefill")
+        encode = params.encode_profile or profiles.get("encode") or "encode"
+        decider = (params.prefill_decider_plugin_name or params.decider_plugin_name
+                   or deciders.get("prefill"))
+        encode_decider = params.encode_decider_plugin_name or deciders.get("encode")
         return cls(name, str(decode), str(prefill), str(decider) if decider else None,
-                   params.primary_port or None)
+                   params.primary_port or None, str(encode),
+                   str(encode_decider) if encode_decider else None)
+
+    @staticmethod
+    def _decider(handle: PluginHandle, key: str, name: str) -> PrefillDecider:
+        d = handle.get(name)
+        if d is None:
+            raise ConfigError(f"deciders.{key}: no plugin named {name!r}; declare the decider "
+                              "under plugins")
+        if not isinstance(d, PrefillDecider):
+            article = "an" if key == "encode" else "a"
+            raise ConfigError(f"deciders.{key}: {name!r} ({d.type_name}) is not {article} "
+                              f"{key} decider (prefix-based-pd-decider, "
+                              "always-disagg-pd-decider, always-disagg-multimodal-decider)")
+        return d
 
     def bind(self, handle: PluginHandle) -> None:
+        if self.encode_decider_name is not None:
+            self.encode_decider = self._decider(handle, "encode", self.encode_decider_name)
         if self.decider_name is None:
             self.decider = AlwaysDisaggPDDecider("always-disagg-pd-decider")
             return
-        d = handle.get(self.decider_name)
-        if d is None:
-            raise ConfigError(f"deciders.prefill: no plugin named {self.decider_name!r}")
-        if not isinstance(d, PrefillDecider):
-            raise ConfigError(f"deciders.prefill: {self.decider_name!r} ({d.type_name}) is not "
-                              "a prefill decider (prefix-based-pd-decider, "
-                              "always-disagg-pd-decider)")
-        self.decider = d
+        self.decider = self._decider(handle, "prefill", self.decider_name)
 
     def check_profiles(self, names: AbstractSet[str]) -> None:
         if self.decode_profile not in names:
@@ -222,12 +272,19 @@ class DisaggProfileHandler:
              results: Mapping[str, ProfileRunResult | None]) -> Mapping[str, Profile]:
         if not results:
             return {self.decode_profile: profiles[self.decode_profile]}
-        if self.prefill_profile in results or self.prefill_profile not in profiles:
-            return {}
         decode = results.get(self.decode_profile)
         if decode is None or not decode.endpoints:
             return {}
         chosen = decode.endpoints[0]
+        # Encode (llm-d: only with deciders.encode and an encode profile; asked once).
+        if (self.encode_decider is not None and self.encode_profile in profiles
+                and self.encode_profile not in results
+                and not state.get(_ENCODE_DECIDED_KEY)):
+            state[_ENCODE_DECIDED_KEY] = True
+            if self.encode_decider.disaggregate(state, request, chosen):
+                return {self.encode_profile: profiles[self.encode_profile]}
+        if self.prefill_profile in results or self.prefill_profile not in profiles:
+            return {}
         assert self.decider is not None, "bind() not called"
         if not self.decider.disaggregate(state, request, chosen):
             return {}
@@ -243,6 +300,10 @@ class DisaggProfileHandler:
         return SchedulingResult(profile_results=dict(results), primary_profile=self.decode_profile,
                                 destination_port=self.primary_port)
 
+    def _used(self, result: SchedulingResult, profile: str) -> bool:
+        r = result.profile_results.get(profile)
+        return r is not None and bool(r.endpoints)
+
     def request_headers(self, request: LLMRequest, result: SchedulingResult) -> Mapping[str, str]:
         out: dict[str, str] = {}
         if self.primary_port is not None:
@@ -250,12 +311,25 @@ class DisaggProfileHandler:
         prefill = result.profile_results.get(self.prefill_profile)
         if prefill is not None and prefill.endpoints:
             out[keys.HEADER_PREFILLER] = prefill.endpoints[0].key
+        out.update(encode_headers(result, self.encode_profile))
         return out
 
     def decision(self, result: SchedulingResult) -> str:
-        """'disaggregated' or 'decode-only' (for the P/D decision metric)."""
-        prefill = result.profile_results.get(self.prefill_profile)
-        return "disaggregated" if prefill is not None and prefill.endpoints else "decode-only"
+        """The P/D decision metric's label: 'disaggregated' or 'decode-only'; with an encode
+        stage, llm-d's 'encode-decode' or 'encode-prefill-decode'."""
+        prefill = self._used(result, self.prefill_profile)
+        if self._used(result, self.encode_profile):
+            return "encode-prefill-decode" if prefill else "encode-decode"
+        return "disaggregated" if prefill else "decode-only"
+
+
+def encode_headers(result: SchedulingResult, encode_profile: str) -> Mapping[str, str]:
+    """``x-encoder-hosts-ports``: every endpoint the encode profile picked, comma-separated
+    (llm-d's ``PreRequest``); nothing when the encode stage did not run or picked none."""
+    encode = result.profile_results.get(encode_profile)
+    if encode is None or not encode.endpoints:
+        return {}
+    return {keys.HEADER_ENCODERS: ",".join(e.key for e in encode.endpoints)}
 
 
 class PdProfileHandler(DisaggProfileHandler):
@@ -296,29 +370,34 @@ class PdProfileHandler(DisaggProfileHandler):
 
 class PrefillHeaderHandler:
     """llm-d's ``prefill-header-handler`` / ``disagg-headers-handler``: sets
-    ``x-prefiller-host-port`` from the prefill profile's result (the disagg handlers also
-    do this themselves; declaring it keeps llm-d files loading unchanged)."""
+    ``x-prefiller-host-port`` from the prefill profile's result and
+    ``x-encoder-hosts-ports`` from the encode profile's (the disagg handlers also do this
+    themselves; declaring it keeps llm-d files loading unchanged)."""
 
     type_name = "prefill-header-handler"
 
     @dataclass(frozen=True)
     class Parameters:
         prefill_profile: str = param("prefillProfile", "prefill")
+        encode_profile: str = param("encodeProfile", "encode")
 
-    def __init__(self, name: str, prefill_profile: str = "prefill") -> None:
+    def __init__(self, name: str, prefill_profile: str = "prefill",
+                 encode_profile: str = "encode") -> None:
         self.name = name
         self.prefill_profile = prefill_profile
+        self.encode_profile = encode_profile
 
     @classmethod
     def from_params(cls, name: str, params: PrefillHeaderHandler.Parameters,
                     handle: PluginHandle) -> Self:
-        return cls(name, params.prefill_profile or "prefill")
+        return cls(name, params.prefill_profile or "prefill", params.encode_profile or "encode")
 
     def request_headers(self, request: LLMRequest, result: SchedulingResult) -> Mapping[str, str]:
+        out = dict(encode_headers(result, self.encode_profile))
         prefill = result.profile_results.get(self.prefill_profile)
-        if prefill is None or not prefill.endpoints:
-            return {}
-        return {keys.HEADER_PREFILLER: prefill.endpoints[0].key}
+        if prefill is not None and prefill.endpoints:
+            out[keys.HEADER_PREFILLER] = prefill.endpoints[0].key
+        return out
 
 
 class DisaggHeadersHandler(PrefillHeaderHandler):

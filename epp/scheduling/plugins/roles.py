@@ -1,5 +1,12 @@
-"""Role filters for prefill/decode disaggregation: ``decode-filter``, ``prefill-filter``;
-and ``leader-filter`` for multi-node model servers.
+"""Role filters for encode/prefill/decode disaggregation: ``decode-filter``,
+``prefill-filter``, ``encode-filter``; and ``leader-filter`` for multi-node model servers.
+
+llm-d-router v0.10.0 ``pkg/epp/framework/plugins/scheduling/filter/bylabel/roles.go``:
+``decode-filter`` keeps decode, prefill-decode, both, encode-prefill-decode and unlabelled
+pods; ``prefill-filter`` keeps prefill, encode-prefill, encode-prefill-decode (llm-d also
+keeps prefill-decode and both there; this EPP keeps those pods for decode only);
+``encode-filter`` keeps encode, encode-prefill, encode-prefill-decode — unlabelled pods
+are never encode pods.
 
 The role is read from the endpoint label ``roleLabel`` (default ``llm-d.ai/role``), falling
 back to Dynamo's ``nvidia.com/dynamo-sub-component-type``; values compare lower-cased.
@@ -71,13 +78,26 @@ class DecodeFilter(_RoleFilter):
 
 
 class PrefillFilter(_RoleFilter):
-    """Keeps endpoints whose role is exactly prefill."""
+    """Keeps endpoints whose role is prefill, encode-prefill or encode-prefill-decode."""
 
     type_name = "prefill-filter"
 
     def filter(self, state: CycleState, request: LLMRequest,
                endpoints: Sequence[Endpoint]) -> Sequence[Endpoint]:
-        return [e for e in endpoints if endpoint_role(e, self.role_label) == keys.ROLE_PREFILL]
+        return [e for e in endpoints
+                if endpoint_role(e, self.role_label) in keys.ROLES_PREFILL_CAPABLE]
+
+
+class EncodeFilter(_RoleFilter):
+    """llm-d's ``encode-filter``: keeps endpoints whose role is encode, encode-prefill or
+    encode-prefill-decode (the encode stage's candidates); unlabelled ones are dropped."""
+
+    type_name = "encode-filter"
+
+    def filter(self, state: CycleState, request: LLMRequest,
+               endpoints: Sequence[Endpoint]) -> Sequence[Endpoint]:
+        return [e for e in endpoints
+                if endpoint_role(e, self.role_label) in keys.ROLES_ENCODE_CAPABLE]
 
 
 def _index_labels(raw: Any, path: str) -> tuple[str, ...]:

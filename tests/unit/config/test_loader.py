@@ -33,6 +33,7 @@ SRC = "under-test.yaml"
 FIXTURE = "tests.unit.config.plugin_fixture"
 BUILTIN_TYPES = [
     "active-request-scorer",
+    "always-disagg-multimodal-decider",
     "always-disagg-pd-decider",
     "anthropic-parser",
     "approx-prefix-cache-producer",
@@ -40,11 +41,14 @@ BUILTIN_TYPES = [
     "concurrency-detector",
     "core-metrics-extractor",
     "data-parallel-profile-handler",
+    "dcgm-data-source",
+    "dcgm-extractor",
     "decode-filter",
     "destination-endpoint-served-verifier",
     "disagg-headers-handler",
     "disagg-profile-handler",
     "edf-ordering-policy",
+    "encode-filter",
     "endpoint-attribute-filter",
     "endpoint-attribute-scorer",
     "endpoint-notification-source",

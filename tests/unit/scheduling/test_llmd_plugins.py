@@ -558,11 +558,13 @@ def test_attribute_scorer_rejects(params: dict[str, Any], fragment: str) -> None
     make_error("endpoint-attribute-scorer", params, fragment)
 
 
-def test_gpu_config_needs_the_dcgm_source() -> None:
+def test_gpu_config_loads_with_the_dcgm_source() -> None:
     """deploy/config/sim-epp-gpu-config.yaml feeds the attribute plugins from
-    dcgm-data-source/dcgm-extractor, which this EPP does not have yet."""
-    with pytest.raises(ConfigError, match="dcgm-data-source"):
-        load_and_build(str(GPU_CONFIG))
+    dcgm-data-source/dcgm-extractor (polled against a fake exporter in
+    tests/unit/datalayer/test_dcgm.py)."""
+    built = load_and_build(str(GPU_CONFIG), strict=True)
+    assert built.data_layer is not None
+    assert [e.source.type_name for e in built.data_layer.sources] == ["dcgm-data-source"]
 
 
 def gpu_config_without_dcgm() -> str:

@@ -64,6 +64,9 @@ class _Noop:
     def labels(self, *args: Any, **kwargs: Any) -> _Noop:
         return self
 
+    def __call__(self, *args: Any, **kwargs: Any) -> None:  # any record_* method
+        return None
+
     def inc(self, amount: float = 1) -> None:
         pass
 

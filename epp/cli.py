@@ -98,6 +98,52 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    "and tests, where no gateway needs time to notice)")
     _add_metrics_flags(p)
     _add_observability_flags(p)
+    _add_llmd_serving_flags(p)
+
+
+def _add_llmd_serving_flags(p: argparse.ArgumentParser) -> None:
+    """llm-d-router v0.10.0's serving flags (pkg/epp/server/options.go)."""
+    g = p.add_argument_group("llm-d-router's serving flags (see docs/configuration.md)")
+    g.add_argument("--allow-experimental-plugins", type=_go_bool, nargs="?", const=True,
+                   default=False, metavar="BOOL",
+                   help="allow plugins of llm-d's Alpha types (e.g. session-affinity-scorer, "
+                   "the multicluster-* plugins) in an llm-d document (apiVersion "
+                   "llm-d.ai/v1alpha1); without it such a config fails startup, as in "
+                   "llm-d (default false)")
+    g.add_argument("--emit-endpoint-scores", type=_go_bool, nargs="?", const=True,
+                   default=False, metavar="BOOL",
+                   help="send the scheduler's weighted score of every candidate endpoint in "
+                   "the request-path dynamic metadata: namespace envoy.lb, key "
+                   "x-gateway-destination-endpoint-scores (default false)")
+    g.add_argument("--enable-grpc-stream-metrics", type=_go_bool, nargs="?", const=True,
+                   default=False, metavar="BOOL",
+                   help="export llm_d_epp_extproc_streams_inflight, "
+                   "llm_d_epp_extproc_stream_duration_seconds and "
+                   "llm_d_epp_extproc_streams_total{code} (default false)")
+    g.add_argument("--grpc-max-recv-msg-size", metavar="SIZE",
+                   help="largest gRPC message the ext_proc server accepts, a Kubernetes "
+                   "quantity (10MiB, 25MB); larger ones fail the stream with "
+                   "RESOURCE_EXHAUSTED (default: no limit, so that an oversized body is "
+                   "answered 413 per --max-request-body-bytes)")
+    g.add_argument("--grpc-max-send-msg-size", metavar="SIZE",
+                   help="largest gRPC message the ext_proc server sends, a Kubernetes "
+                   "quantity (default: no limit)")
+    g.add_argument("--metrics-cert-dir", metavar="DIR",
+                   help="serve the metrics port over TLS (1.2 or later) with DIR/tls.crt and "
+                   "DIR/tls.key; needs --metrics-client-ca-file or --metrics-endpoint-auth "
+                   "not false")
+    g.add_argument("--metrics-client-ca-file", metavar="FILE",
+                   help="with --metrics-cert-dir: require a client certificate verified "
+                   "against this PEM CA (mTLS) on the metrics port")
+    g.add_argument("--tls-min-version", metavar="VERSION",
+                   help="with --secure-serving: the lowest TLS version of the ext_proc port, "
+                   "a Go name (VersionTLS10..VersionTLS13); grpcio serves TLS 1.2-1.3 "
+                   "only, so VersionTLS12 is the one it can honour (others fail startup)")
+    g.add_argument("--tls-cipher-suites", metavar="SUITE[,SUITE…]", action=_Joined,
+                   help="with --secure-serving: the TLS 1.2 cipher suites of the ext_proc "
+                   "port, Go names (TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256, …); TLS 1.3 "
+                   "suites are not configurable (applied through gRPC's "
+                   "GRPC_SSL_CIPHER_SUITES, which also covers the EPP's gRPC clients)")
 
 
 def _add_observability_flags(p: argparse.ArgumentParser) -> None:
@@ -434,6 +480,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
     from epp.datalayer.engines import MappingOverrides
     from epp.datalayer.scraper import ScrapeOptions
     from epp.server import options as so
+    from epp.server.llmd_flags import split_cipher_flag
 
     log = log_settings(args)
     return so.ServeOptions(
@@ -444,7 +491,8 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
             grpc_health_bind_address=args.grpc_health_bind_address,
             metrics_bind_address=args.metrics_bind_address),
         config=so.ConfigOptions(file=args.config_file, text=args.config_text,
-                                strict=args.strict_config),
+                                strict=args.strict_config,
+                                allow_experimental_plugins=args.allow_experimental_plugins),
         static=so.StaticSourceOptions(endpoints=args.endpoints,
                                       endpoints_file=args.endpoints_file),
         objectives=so.ObjectivesOptions(file=args.objectives_file),
@@ -454,7 +502,9 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
             endpoint_target_ports=args.endpoint_target_ports, kubeconfig=args.kubeconfig,
             watch_nodes=args.watch_nodes),
         tls=so.TlsOptions(secure_serving=args.secure_serving, cert_path=args.cert_path,
-                          enable_cert_reload=args.enable_cert_reload),
+                          enable_cert_reload=args.enable_cert_reload,
+                          tls_min_version=args.tls_min_version,
+                          tls_cipher_suites=split_cipher_flag(args.tls_cipher_suites)),
         ha=so.HaOptions(enable_leader_election=args.ha_enable_leader_election,
                         lease_duration_s=args.ha_lease_duration,
                         renew_deadline_s=args.ha_renew_deadline,
@@ -483,13 +533,19 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         observability=so.ObservabilityOptions(
             enable_explain_header=args.enable_explain_header,
             explain_history=args.explain_history, metrics_auth=args.metrics_endpoint_auth,
-            tracing=args.tracing, log_level=log.level, log_format=log.fmt),
+            tracing=args.tracing, log_level=log.level, log_format=log.fmt,
+            metrics_cert_dir=args.metrics_cert_dir,
+            metrics_client_ca_file=args.metrics_client_ca_file),
         limits=so.RequestLimits(max_request_body_bytes=args.max_request_body_bytes,
                                 max_request_headers=args.max_request_headers),
         workers=so.WorkerOptions(count=args.workers),
         drain=so.DrainOptions(timeout_s=args.drain_timeout, quiet_s=args.drain_quiet_period),
         routing=so.RoutingOptions(
-            disable_endpoint_subset_filter=args.disable_endpoint_subset_filter),
+            disable_endpoint_subset_filter=args.disable_endpoint_subset_filter,
+            emit_endpoint_scores=args.emit_endpoint_scores),
+        grpc=so.GrpcOptions(max_recv_msg_size=args.grpc_max_recv_msg_size,
+                            max_send_msg_size=args.grpc_max_send_msg_size,
+                            enable_stream_metrics=args.enable_grpc_stream_metrics),
         gie_only=so.GieOnlyOptions(
             health_checking=args.health_checking, enable_pprof=args.enable_pprof,
             refresh_prometheus_metrics_interval_s=args.refresh_prometheus_metrics_interval,
@@ -550,12 +606,21 @@ def _check_config(args: argparse.Namespace) -> int:
         return 1
     for warning in built.warnings:
         print(f"epp: warning: {warning}", file=sys.stderr)
+    from epp.framework.registry import LLMD_ALPHA_TYPES
+
+    for name, plugin in sorted(built.plugins.items()):  # llm-d's ValidatePluginStability
+        if built.config.llmd_document and getattr(plugin, "type_name", "") in LLMD_ALPHA_TYPES:
+            print(f"epp: note: plugin '{name}' (type: '{plugin.type_name}') has llm-d's Alpha "
+                  "stability level: epp serve needs --allow-experimental-plugins",
+                  file=sys.stderr)
     for name, prof in built.scheduler.profiles.items():
         parts = [f"filter {f.name}" for f in prof.filters]
         parts += [f"scorer {s.name} (weight {w:g})" for s, w in prof.scorers]
         parts.append(f"picker {prof.picker.name}")
         print(f"profile {name}: " + ", ".join(parts))
     print(f"profile handler: {built.scheduler.handler.name}")
+    if built.discovery is not None:  # llm-d's dataLayer.discovery: the endpoint source
+        print(f"discovery: {built.discovery.name} ({built.discovery.type_name})")
     if built.saturation_detector is not None:
         print(f"saturation detector: {built.saturation_detector.name}")
     if built.data_layer is None:
@@ -585,19 +650,43 @@ def _check_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _apply_cipher_suites(argv: list[str]) -> None:
+    """``serve --tls-cipher-suites``: gRPC reads its cipher list (GRPC_SSL_CIPHER_SUITES)
+    once, when it is imported — which building the parser does — so it is set first."""
+    if not any(a.startswith("--tls-cipher-suites") for a in argv):
+        return
+    from epp.server.llmd_flags import apply_cipher_suites_env, split_cipher_flag
+
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--tls-cipher-suites", action="append")
+    pre.add_argument("--secure-serving", type=_go_bool, nargs="?", const=True)
+    known, _ = pre.parse_known_args(argv)
+    # Not with --secure-serving=false: then they change nothing (noted at startup). The
+    # default (None) is on; epp.server.options is not imported here, as it loads gRPC.
+    if known.secure_serving is not False:
+        apply_cipher_suites_env(split_cipher_flag(known.tls_cipher_suites))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "sim":
         from epp.sim.server import main as sim_main
 
         return sim_main(argv[1:]) or 0
+    if argv and argv[0] == "serve":
+        try:
+            _apply_cipher_suites(argv[1:])
+        except ConfigError as e:
+            print(f"epp: error: {e}", file=sys.stderr)
+            return 1
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
         if not (args.endpoints or args.endpoints_file or args.pool_name
-                or args.endpoint_selector):
+                or args.endpoint_selector or args.config_file or args.config_text):
             parser.error("serve: give an endpoint source: --endpoints, --endpoints-file, "
-                         "--pool-name or --endpoint-selector")
+                         "--pool-name, --endpoint-selector, or a config (--config-file) "
+                         "whose dataLayer.discovery names a file-discovery plugin")
         return _serve(args)
     if args.command == "check-config":
         return _check_config(args)

@@ -37,12 +37,16 @@ HEADER_DATA_PARALLEL: Final = "x-data-parallel-host-port"
 GRPC_MD_RESPONSE_PATH: Final = "x-epp-response-path"
 RESPONSE_PATH_OBSERVER: Final = "observer"
 HEADER_OBSERVE_TOKEN: Final = "x-epp-observe"
+# llm-d's P2P KV pull source (p2p-source-producer): an inbound value is never passed on.
+HEADER_KV_CACHE_SOURCE: Final = "x-kv-cache-source-host-port"
 ROUTING_HEADERS: Final = (HEADER_DESTINATION, HEADER_PREFILLER, HEADER_ENCODERS,
-                          HEADER_DATA_PARALLEL, HEADER_OBSERVE_TOKEN)
+                          HEADER_DATA_PARALLEL, HEADER_OBSERVE_TOKEN, HEADER_KV_CACHE_SOURCE)
 
 # --- Dynamic metadata ---
 METADATA_NAMESPACE_LB: Final = "envoy.lb"
 METADATA_DESTINATION_KEY: Final = HEADER_DESTINATION
+# llm-d's DestinationEndpointScoresKey (pkg/epp/metadata/consts.go): --emit-endpoint-scores.
+METADATA_DESTINATION_SCORES_KEY: Final = "x-gateway-destination-endpoint-scores"
 METADATA_SUBSET_NAMESPACE: Final = "envoy.lb.subset_hint"
 METADATA_SUBSET_KEY: Final = "x-gateway-destination-endpoint-subset"
 

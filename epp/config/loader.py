@@ -33,6 +33,7 @@ from epp import keys
 from epp.datalayer.config import DataLayerConfig, SourceConfig
 from epp.datalayer.dependencies import DependencyError, check_data_dependencies
 from epp.datalayer.polling import PollingExtractor, PollingSource
+from epp.discovery.llmd_file import EndpointDiscovery
 from epp.errors import ConfigError
 from epp.flowcontrol.config import (
     FlowControlConfig,
@@ -40,6 +41,7 @@ from epp.flowcontrol.config import (
     build_flow_control,
     parse_flow_control,
 )
+from epp.flowcontrol.interfaces import FairnessPolicy
 from epp.framework.handle import BindsPlugins, PluginHandle
 from epp.framework.interfaces import (
     ChecksProfiles,
@@ -63,7 +65,7 @@ from epp.framework.interfaces import (
     Scorer,
     no_timer,
 )
-from epp.framework.params import DecodePolicy, decoding, suggest
+from epp.framework.params import DecodePolicy, decoding, parse_duration, suggest
 from epp.framework.registry import Builder, Registry
 from epp.parsing.dispatch import ParserRouter
 from epp.parsing.parser import Parser
@@ -103,6 +105,11 @@ KNOWN_FEATURE_GATES = frozenset({FEATURE_DATA_LAYER, FEATURE_LEGACY_METRICS,
 # GIE v1.5.0's deprecated environment switch for the flowControl gate (cmd/epp/runner:
 # applyDeprecatedEnvFeatureGate): a true value (Go's strconv.ParseBool) adds the gate.
 ENV_FLOW_CONTROL = "ENABLE_EXPERIMENTAL_FLOW_CONTROL_LAYER"
+# llm-d-router v0.10.0's gate "haPopulateNonLeaderDatastore" (on by default there: replicas
+# that are not the leader keep their datastore populated): this EPP's followers always do,
+# so either value is accepted and changes nothing.
+_LLMD_NOOP_GATES = frozenset({"haPopulateNonLeaderDatastore"})
+_GATE_BOOLS = {"1": True, "t": True, "true": True, "0": False, "f": False, "false": False}
 _REMOVED_FEATURE_GATES = {
     "prepareDataPlugins": "removed in GIE v1.5.0 (data-preparation plugins always run); "
                           "remove it",
@@ -163,6 +170,21 @@ class DataLayerSpec:
 
     sources: tuple[DataLayerSourceSpec, ...]
     path: str = "dataLayer"
+    # llm-d-router v0.10.0's keys (apix/config/v1alpha1 DataLayerConfig):
+    discovery: str | None = None  # discovery.pluginRef: the EPP's endpoint source
+    syncer: str | None = None  # crossReplicaSyncerPluginRef (llm-d registers no syncer)
+    sync_interval_s: float | None = None  # crossReplicaSyncInterval
+    inject_defaults: bool | None = None  # injectDefaults (None: not given)
+    llmd_api: bool = False  # the document's apiVersion is llm-d.ai/v1alpha1
+
+    @property
+    def llmd(self) -> bool:
+        """Whether llm-d-router's loader rules apply: the document says ``apiVersion:
+        llm-d.ai/v1alpha1`` or sets an llm-d-only key. Then (ensureDataLayer) the default
+        metrics source is added unless injectDefaults is false or a metrics-data-source
+        is listed; GIE's rules otherwise (a section without sources fails)."""
+        return (self.llmd_api or self.discovery is not None or self.syncer is not None
+                or self.sync_interval_s is not None or self.inject_defaults is not None)
 
 
 @dataclass(frozen=True)
@@ -198,6 +220,13 @@ class EndpointPickerConfig:
     # absent); built into :attr:`BuiltConfig.flow_control` only under the gate.
     flow_control: FlowControlSpec | None = None
     request_handler: RequestHandlerSpec | None = None  # None: no ``requestHandler``
+    api_version: str = ""  # the document's apiVersion ("" when absent)
+
+    @property
+    def llmd_document(self) -> bool:
+        """An llm-d-router document (``apiVersion: llm-d.ai/v1alpha1``): llm-d's rules
+        that GIE does not have apply to it (the Alpha plugin gate)."""
+        return self.api_version == LLMD_API_VERSION
 
 
 @dataclass
@@ -229,6 +258,9 @@ class BuiltConfig:
     flow_control: FlowControlConfig | None = None
     feature_gates: frozenset[str] = frozenset()
     warnings: list[str] = field(default_factory=list)
+    # llm-d-router's dataLayer.discovery: the plugin that is the endpoint source (the EPP
+    # then runs without Kubernetes and without --endpoints; epp/discovery/llmd_file.py).
+    discovery: EndpointDiscovery | None = None
 
 
 # The built-in catalog: plugins a config gets without declaring them (the single-profile
@@ -337,9 +369,25 @@ def parse_config(text: str, source: str = "<config>") -> EndpointPickerConfig:
     if kind is not None and kind != keys.CONFIG_KIND:
         raise _err(source, "kind", f"expected {keys.CONFIG_KIND!r}, got {kind!r}")
 
-    gates = tuple(_name(source, f"featureGates[{i}]", g)
-                  for i, g in enumerate(_list(source, "featureGates", doc.get("featureGates") or [])))
-    for i, g in enumerate(gates):
+    written = tuple(_name(source, f"featureGates[{i}]", g)
+                    for i, g in enumerate(_list(source, "featureGates",
+                                                doc.get("featureGates") or [])))
+    gates_on: list[str] = []
+    for i, entry in enumerate(written):
+        # llm-d-router v0.10.0 (loader.loadFeatureConfig): "name=bool" sets a gate on or
+        # off explicitly (Go's strconv.ParseBool on the trimmed, lower-cased value).
+        g, sep, value = entry.partition("=")
+        enabled = True
+        if sep:
+            v = value.strip().lower()
+            if v not in _GATE_BOOLS:
+                raise _err(source, f"featureGates[{i}]", f"{value!r} is not a valid value "
+                           f"for the feature gate {g!r}; write {g}=true or {g}=false")
+            enabled = _GATE_BOOLS[v]
+        if g in _LLMD_NOOP_GATES:
+            continue  # known to llm-d, nothing to switch here
+        if enabled:
+            gates_on.append(g)
         if g in _REMOVED_FEATURE_GATES:
             raise _err(source, f"featureGates[{i}]", f"feature gate {g!r} is "
                        f"{_REMOVED_FEATURE_GATES[g]}")
@@ -350,6 +398,7 @@ def parse_config(text: str, source: str = "<config>") -> EndpointPickerConfig:
         if g == FEATURE_DATA_LAYER:
             warnings.append(f"featureGates[{i}]: 'dataLayer' is deprecated and has no effect "
                             "(the data layer is on by default); remove it")
+    gates = tuple(dict.fromkeys(gates_on))
 
     plugins: list[PluginSpec] = []
     seen: set[str] = set()
@@ -412,7 +461,7 @@ def parse_config(text: str, source: str = "<config>") -> EndpointPickerConfig:
     data_layer: DataLayerSpec | None = None
     if "dataLayer" in doc and doc["dataLayer"] is not None:
         dl = _mapping(source, "dataLayer", doc["dataLayer"])
-        _check_keys(source, "dataLayer", dl, {"sources"})
+        _check_keys(source, "dataLayer", dl, {"sources", *_LLMD_DATA_LAYER_KEYS})
         sources: list[DataLayerSourceSpec] = []
         for i, raw in enumerate(_list(source, "dataLayer.sources", dl.get("sources") or [])):
             path = f"dataLayer.sources[{i}]"
@@ -432,7 +481,8 @@ def parse_config(text: str, source: str = "<config>") -> EndpointPickerConfig:
                                "plugin, e.g. core-metrics-extractor)")
                 extractors.append(_name(source, f"{epath}.pluginRef", e["pluginRef"]))
             sources.append(DataLayerSourceSpec(ref, tuple(extractors), path))
-        data_layer = DataLayerSpec(tuple(sources))
+        data_layer = DataLayerSpec(tuple(sources), **_llmd_data_layer(source, dl),
+                                   llmd_api=doc.get("apiVersion") == LLMD_API_VERSION)
 
     parser: ParserSpec | None = None
     if doc.get("parser") is not None:
@@ -471,9 +521,44 @@ def parse_config(text: str, source: str = "<config>") -> EndpointPickerConfig:
             flow_control = parse_flow_control(fc_raw, source)
             warnings += flow_control.warnings
 
+    api = doc.get("apiVersion")
     return EndpointPickerConfig(source, tuple(plugins), tuple(profiles), gates, sat_ref,
                                 data_layer, parser, tuple(warnings), flow_control,
-                                request_handler)
+                                request_handler, api if isinstance(api, str) else "")
+
+
+LLMD_API_VERSION = "llm-d.ai/v1alpha1"
+_LLMD_DATA_LAYER_KEYS = {"discovery", "crossReplicaSyncerPluginRef", "crossReplicaSyncInterval",
+                         "injectDefaults"}
+
+
+def _llmd_data_layer(source: str, dl: Mapping[str, Any]) -> dict[str, Any]:
+    """llm-d-router v0.10.0's ``dataLayer`` keys, decoded strictly (DataLayerConfig)."""
+    out: dict[str, Any] = {}
+    if dl.get("discovery") is not None:
+        disc = _mapping(source, "dataLayer.discovery", dl["discovery"])
+        _check_keys(source, "dataLayer.discovery", disc, {"pluginRef"})
+        if "pluginRef" not in disc:
+            raise _err(source, "dataLayer.discovery", "missing 'pluginRef' (the name of a "
+                       "discovery plugin in 'plugins', e.g. file-discovery)")
+        out["discovery"] = _name(source, "dataLayer.discovery.pluginRef", disc["pluginRef"])
+    ref = dl.get("crossReplicaSyncerPluginRef")
+    if ref is not None and ref != "":
+        out["syncer"] = _name(source, "dataLayer.crossReplicaSyncerPluginRef", ref)
+    interval = dl.get("crossReplicaSyncInterval")
+    if interval is not None:
+        if not isinstance(interval, str):
+            raise _err(source, "dataLayer.crossReplicaSyncInterval", "expected a duration "
+                       f"string like '200ms', got {interval!r}")
+        out["sync_interval_s"] = parse_duration(interval, f"{source}: dataLayer."
+                                                "crossReplicaSyncInterval")
+    inject = dl.get("injectDefaults")
+    if inject is not None:
+        if not isinstance(inject, bool):
+            raise _err(source, "dataLayer.injectDefaults", f"expected true or false, got "
+                       f"{inject!r}")
+        out["inject_defaults"] = inject
+    return out
 
 
 def _request_handler(source: str, raw: Any) -> RequestHandlerSpec:
@@ -617,6 +702,7 @@ class _Builder:
             parser=cfg.parser,
             parser_plugin=self._parser(),
             feature_gates=self.gates,
+            discovery=self._discovery(),
         )
         self._check_data_dependencies(built)
         return built
@@ -653,7 +739,7 @@ class _Builder:
             # No profiles: one 'default' profile with every filter, scorer and picker.
             refs = tuple(PluginRef(p.name, None, "plugins") for p in handle
                          if isinstance(p, (Filter, Scorer, Picker))
-                         and not isinstance(p, ProfileHandler))
+                         and not isinstance(p, (ProfileHandler, FairnessPolicy)))
             profile_specs = [ProfileSpec("default", refs, "schedulingProfiles")]
 
         handlers = handle.of_type(ProfileHandler)
@@ -679,8 +765,10 @@ class _Builder:
 
         # A profile without a picker gets the config's (first declared) picker, else one
         # shared max-score-picker (GIE: "find or create a default picker").
+        # (A flow-control fairness policy has a pick() too: it is no picker.)
         declared_pickers = [p for p in (handle.plugins[s.name] for s in self.config.plugins)
-                            if isinstance(p, Picker) and not isinstance(p, ProfileHandler)]
+                            if isinstance(p, Picker) and not isinstance(p, ProfileHandler)
+                            and not isinstance(p, FairnessPolicy)]
         default_picker: Picker | None = None
         if declared_pickers:
             first = declared_pickers[0]
@@ -769,33 +857,53 @@ class _Builder:
 
     def _data_layer(self) -> DataLayerConfig | None:
         spec = self.config.data_layer
+        self._cross_replica_syncer()
         if FEATURE_LEGACY_METRICS in self.gates:
-            if spec is not None:
+            if spec is not None and spec.sources:
                 self.warn("dataLayer", "ignored under the enableLegacyMetrics feature gate "
                           "(metrics are scraped as the --model-server-metrics-* flags say)")
             return None
+        if spec is not None and spec.llmd and not spec.sources:
+            if spec.inject_defaults is False:  # llm-d: no source at all, nothing scraped
+                return DataLayerConfig(())
+            spec = None  # llm-d's ensureDataLayer: the default source and extractor
         if spec is None:
-            # GIE's default: metrics-data-source → core-metrics-extractor, the declared
-            # plugins of those names when there are.
-            source = self.handle.get(METRICS_DATA_SOURCE) or self._builtin(METRICS_DATA_SOURCE)
-            extractor = (self.handle.get(CORE_METRICS_EXTRACTOR)
-                         or self._builtin(CORE_METRICS_EXTRACTOR))
-            if not isinstance(source, DataSource):
-                raise self.err("plugins", f"{METRICS_DATA_SOURCE!r} ({source.type_name}) is not "
-                               "a data source; the default data layer reads the plugin of "
-                               "that name: rename it, or add a dataLayer section")
-            if not isinstance(extractor, DataExtractor):
-                raise self.err("plugins", f"{CORE_METRICS_EXTRACTOR!r} ({extractor.type_name}) "
-                               "is not a data extractor; the default data layer reads the "
-                               "plugin of that name: rename it, or add a dataLayer section")
-            self._check_pair(source, extractor, "plugins")
-            return DataLayerConfig((SourceConfig(source, (extractor,)),), injected=True)
+            return DataLayerConfig((self._default_metrics_source("plugins"),), injected=True)
         if not spec.sources:
             raise self.err("dataLayer.sources", "the data layer is on but has no data source "
                            "(GIE fails at startup: 'data layer enabled but no data sources "
                            "configured'); add a source (metrics-data-source with "
                            "core-metrics-extractor), or remove the section for the default; to "
                            "scrape nothing use --no-metrics-scraping")
+        listed = self._listed_sources(spec)
+        if (spec.llmd and spec.inject_defaults is not False
+                and not any(s.source.type_name == METRICS_DATA_SOURCE for s in listed)):
+            # llm-d-router's ensureDataLayer is additive: the default pair joins the
+            # listed sources unless injectDefaults is false or a metrics-data-source is
+            # listed (llm-d compares the pluginRef with the type name; here the type, as
+            # this EPP runs one metrics-data-source).
+            listed.append(self._default_metrics_source("dataLayer.sources"))
+        return DataLayerConfig(tuple(listed))
+
+    def _default_metrics_source(self, path: str) -> SourceConfig:
+        """The default pair: metrics-data-source → core-metrics-extractor, the declared
+        plugins of those names when there are (GIE's and llm-d's ensureDataLayer)."""
+        source = self.handle.get(METRICS_DATA_SOURCE) or self._builtin(METRICS_DATA_SOURCE)
+        extractor = (self.handle.get(CORE_METRICS_EXTRACTOR)
+                     or self._builtin(CORE_METRICS_EXTRACTOR))
+        if not isinstance(source, DataSource):
+            raise self.err("plugins", f"{METRICS_DATA_SOURCE!r} ({source.type_name}) is not "
+                           "a data source; the default data layer reads the plugin of "
+                           "that name: rename it, or add a dataLayer section")
+        if not isinstance(extractor, DataExtractor):
+            raise self.err("plugins", f"{CORE_METRICS_EXTRACTOR!r} ({extractor.type_name}) "
+                           "is not a data extractor; the default data layer reads the "
+                           "plugin of that name: rename it, or add a dataLayer section")
+        self._check_pair(source, extractor, path)
+        return SourceConfig(source, (extractor,))
+
+    def _listed_sources(self, spec: DataLayerSpec) -> list[SourceConfig]:
+        """``dataLayer.sources``, resolved and checked."""
         sources: list[SourceConfig] = []
         gvks: dict[str, str] = {}
         metrics_sources = 0
@@ -807,7 +915,7 @@ class _Builder:
                 raise self.err(f"{s.path}.pluginRef", f"{s.plugin_ref!r} ({plugin.type_name}) "
                                "is not a data source (metrics-data-source, "
                                "endpoint-notification-source, k8s-notification-source, "
-                               "dcgm-data-source)")
+                               "dcgm-data-source, models-data-source)")
             extractors: list[DataExtractor] = []
             for j, ref in enumerate(s.extractors):
                 epath = f"{s.path}.extractors[{j}].pluginRef"
@@ -836,7 +944,40 @@ class _Builder:
                                    "core-metrics-extractor on one source is not supported; "
                                    "keep one (engineConfigs covers every engine)")
             sources.append(SourceConfig(plugin, tuple(extractors), f"{self.src}: {s.path}"))
-        return DataLayerConfig(tuple(sources))
+        return sources
+
+    def _cross_replica_syncer(self) -> None:
+        """llm-d-router's ``crossReplicaSyncerPluginRef``: its loader requires a
+        ``CrossReplicaSyncer`` plugin, and its binary (like this EPP) registers no such
+        type, so any reference fails there as here. ``crossReplicaSyncInterval`` is read
+        and, with no syncer, unused (as in llm-d)."""
+        spec = self.config.data_layer
+        if spec is None or spec.syncer is None:
+            return
+        plugin = self.handle.get(spec.syncer)
+        what = ("no plugin of that name is declared" if plugin is None
+                else f"it is a {plugin.type_name}")
+        raise self.err("dataLayer.crossReplicaSyncerPluginRef",
+                       f"the plugin {spec.syncer} is not a fwkdl.CrossReplicaSyncer ({what}; "
+                       "llm-d-router v0.10.0 and this EPP register no cross-replica syncer "
+                       "type): remove crossReplicaSyncerPluginRef")
+
+    # --- discovery: llm-d-router's runner resolveDiscovery ---
+
+    def _discovery(self) -> EndpointDiscovery | None:
+        spec = self.config.data_layer
+        if spec is None or spec.discovery is None:
+            return None
+        path = "dataLayer.discovery.pluginRef"
+        plugin = self.handle.get(spec.discovery)
+        if plugin is None:
+            raise self._no_plugin(path, spec.discovery, " (discovery: the endpoint source, "
+                                  "a file-discovery or multicluster-file-discovery plugin)")
+        if not isinstance(plugin, EndpointDiscovery):
+            raise self.err(path, f"discovery: plugin {spec.discovery!r} ({plugin.type_name}) "
+                           "does not implement EndpointDiscovery; name a file-discovery or "
+                           "multicluster-file-discovery plugin")
+        return plugin
 
     def _check_pair(self, source: DataSource, extractor: DataExtractor, path: str) -> None:
         if extractor.data_input != source.data_output:

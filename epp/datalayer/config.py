@@ -2,7 +2,10 @@
 
 The loader (epp/config/loader.py) builds a :class:`DataLayerConfig` from
 ``dataLayer.sources`` — or injects GIE's default, ``metrics-data-source`` feeding
-``core-metrics-extractor``, when the section is absent — and leaves it None under the
+``core-metrics-extractor``, when the section is absent; for llm-d documents
+(``apiVersion: llm-d.ai/v1alpha1`` or llm-d-only ``dataLayer`` keys) llm-d's rule: the
+pair is added beside the listed sources unless one is a metrics source or
+``injectDefaults: false`` — and leaves it None under the
 ``enableLegacyMetrics`` feature gate (GIE's legacy metrics path: the scraper configured by
 the flags alone, as before the data layer existed). The server turns it into the
 scraper's settings with :func:`scraper_settings` and connects the endpoint notification

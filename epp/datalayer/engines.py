@@ -9,10 +9,11 @@ timestamp wins, the first in the text on a tie or when there are none (GIE's
 An :class:`EngineMapping` lists, per signal, the sources to try in order (the first one
 present wins, so vLLM's current KV metric falls back to the pre-v0.10 name). Block size
 and block count come either from a sample's labels (vLLM, SGLang ``cache_config_info``)
-or from a sample's value (trtllm-serve, Triton). LoRA state comes from
-``vllm:lora_requests_info``: every distinct adapter set is its own series whose value is
-the time it was set, so the series with the largest value is the current state —
-including a newest series with no adapters (GIE skips such series and so can keep
+or from a sample's value (trtllm-serve, Triton TensorRT-LLM); llm-d-router's ``triton``
+engine (Triton's standard metrics) reads the queue and running counts only. LoRA state
+comes from ``vllm:lora_requests_info``: every distinct adapter set is its own series whose
+value is the time it was set, so the series with the largest value is the current state
+— including a newest series with no adapters (GIE skips such series and so can keep
 reporting adapters that are gone; this does not).
 
 :class:`EngineMappings` picks a mapping per endpoint from its ``llm-d.ai/engine-type``
@@ -226,8 +227,21 @@ class EngineMapping:
         )
 
 
+#: llm-d-router v0.10.0's fifth built-in engine (core-metrics-extractor's
+#: defaultEngineConfigs, pkg/epp/framework/plugins/datalayer/extractor/metrics/
+#: factories.go): the Triton Inference Server's standard metrics, for models served
+#: without the TensorRT-LLM backend (that one is ``triton-tensorrt-llm``). The queue is
+#: the pending-request gauge, "running" the execution counter (llm-d's choice: a cumulative
+#: count of model executions, not a gauge of requests in flight); KV usage, LoRA and cache
+#: geometry are not read (Triton's standard metrics have none).
+ENGINE_TRITON = "triton"
+TRITON_PENDING_REQUESTS = "nv_inference_pending_request_count"
+TRITON_EXEC_COUNT = "nv_inference_exec_count"
+
+
 def builtin_mappings() -> dict[str, EngineMapping]:
-    """The four engines of design.md §6, keyed by engine-type label value."""
+    """The built-in engines, keyed by engine-type label value: the four of design.md §6
+    (GIE v1.5.0's) and llm-d-router v0.10.0's ``triton``."""
     k = keys
     vllm = EngineMapping(
         engine=k.ENGINE_VLLM,
@@ -263,7 +277,13 @@ def builtin_mappings() -> dict[str, EngineMapping]:
         block_size=_sources((k.TRITON_KV_BLOCK_METRICS, {kvb: k.TRITON_KV_TOKENS_PER_BLOCK}, None)),
         num_blocks=_sources((k.TRITON_KV_BLOCK_METRICS, {kvb: k.TRITON_KV_MAX_BLOCKS}, None)),
     )
-    return {m.engine: m for m in (vllm, sglang, trtllm, triton)}
+    triton_std = EngineMapping(
+        engine=ENGINE_TRITON,
+        waiting=_sources((TRITON_PENDING_REQUESTS, {}, None)),
+        running=_sources((TRITON_EXEC_COUNT, {}, None)),
+        kv_usage=(),
+    )
+    return {m.engine: m for m in (vllm, sglang, trtllm, triton, triton_std)}
 
 
 @dataclass(frozen=True)

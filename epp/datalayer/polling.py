@@ -1,10 +1,14 @@
 """Polling data sources other than the metrics scraper (llm-d-router v0.10.0's
-``HTTPDataSource``, pkg/epp/framework/plugins/datalayer/source/http): ``dcgm-data-source``.
+``HTTPDataSource``, pkg/epp/framework/plugins/datalayer/source/http): ``dcgm-data-source``
+and ``models-data-source``.
 
-One asyncio task per configured source. Each tick it GETs
-``<scheme>://<endpoint address>:<port><path>`` for every endpoint in the datastore
-(concurrently), parses the Prometheus text and hands it to the source's extractors; the
-scalar attributes they return are MERGED into the endpoint's ``Metrics.attributes`` (the
+One asyncio task per configured source. Each tick it GETs ``src.url(endpoint)`` for every
+endpoint in the datastore (concurrently), parses the body — Prometheus text, or with the
+source's own ``parse(text)`` (``models-data-source``: the ``/v1/models`` JSON) — and
+hands it to the source's extractors. A source may set ``accept`` (the Accept header;
+``text/plain`` otherwise) and ``ssl_context()`` (its TLS settings: CA bundle, client
+certificate; otherwise ``insecure_skip_verify`` alone decides). The
+scalar attributes extractors return are MERGED into the endpoint's ``Metrics.attributes`` (the
 scraper writes a fresh :class:`~epp.scheduling.types.Metrics` on each scrape and carries
 the attributes over, see epp/datalayer/scraper.py). A failed poll or extractor keeps the
 attribute's last value (llm-d logs and leaves it) and is logged once per change of error.
@@ -20,14 +24,18 @@ import logging
 import ssl
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import aiohttp
 
 from epp.datalayer import promparse
 from epp.datastore.store import Datastore
 from epp.framework.interfaces import DataExtractor, DataSource
+from epp.framework.params import ParameterError
 from epp.scheduling.types import Endpoint
+
+if TYPE_CHECKING:
+    from epp.observability.metrics import EppMetrics
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +63,10 @@ class PollingSource(DataSource, Protocol):
 class PollingExtractor(DataExtractor, Protocol):
     """Reads a polling source's parsed payload for one endpoint (llm-d's
     ``PollingExtractor``) and returns the scalar attributes to set on it. Raises
-    ``ValueError`` when the payload has nothing for the endpoint."""
+    ``ValueError`` when the payload has nothing for the endpoint. ``payload`` is what its
+    source parses: :data:`Payload` for Prometheus text sources."""
 
-    def extract_poll(self, payload: Payload, endpoint: Endpoint) -> Mapping[str, float]: ...
+    def extract_poll(self, payload: Any, endpoint: Endpoint) -> Mapping[str, float]: ...
 
 
 def effective_interval(interval_s: float | None, base_s: float) -> float:
@@ -72,8 +81,11 @@ class PollingRunner:
 
     def __init__(self, store: Datastore,
                  sources: Sequence[tuple[PollingSource, Sequence[PollingExtractor]]],
-                 base_interval_s: float) -> None:
+                 base_interval_s: float, *, metrics: EppMetrics | None = None) -> None:
+        """``metrics``: where failed polls and extractions are counted (llm-d's
+        ``llm_d_epp_datalayer_{poll,extract}_errors_total``); None: not counted."""
         self._store = store
+        self._metrics = metrics
         self._sources = list(sources)
         self._base = base_interval_s
         self._tasks: list[asyncio.Task[None]] = []
@@ -104,8 +116,10 @@ class PollingRunner:
 
     async def _run(self, src: PollingSource, extractors: Sequence[PollingExtractor]) -> None:
         period = effective_interval(src.interval_s, self._base)
-        ssl_ctx: ssl.SSLContext | bool = (False if src.insecure_skip_verify
-                                          else ssl.create_default_context())
+        make_ctx = getattr(src, "ssl_context", None)
+        ssl_ctx: ssl.SSLContext | bool = (
+            make_ctx() if callable(make_ctx)
+            else False if src.insecure_skip_verify else ssl.create_default_context())
         loop = asyncio.get_running_loop()
         while True:
             started = loop.time()
@@ -117,12 +131,15 @@ class PollingRunner:
                    ep: Endpoint, ssl_ctx: ssl.SSLContext | bool = False) -> None:
         """One poll of ``ep`` by ``src``; never raises (but on cancellation)."""
         url = src.url(ep)
+        parse = getattr(src, "parse", None) or promparse.parse
         try:
-            payload = promparse.parse(await self._fetch(url, ssl_ctx))
+            payload = parse(await self._fetch(url, ssl_ctx, getattr(src, "accept", None)))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - any failure of one poll is logged, not fatal
             self.polls_failed += 1
+            if self._metrics is not None:  # llm-d's Collector: RecordDataLayerPollError
+                self._metrics.record_datalayer_poll_error(src.type_name)
             self._report(src.name, ep.key, f"{src.type_name} {src.name!r}: poll of {url} "
                          f"failed: {type(e).__name__}: {e}")
             return
@@ -132,6 +149,8 @@ class PollingRunner:
             try:
                 attrs.update(ext.extract_poll(payload, ep))
             except Exception as e:  # noqa: BLE001 - one extractor's error must not stop others
+                if self._metrics is not None:  # HTTPDataSource.runExtractor
+                    self._metrics.record_datalayer_extract_error(src.type_name, ext.type_name)
                 self._report(ext.name, ep.key, f"{ext.type_name} {ext.name!r} on {ep.key}: {e}")
             else:
                 self._report(ext.name, ep.key, None)
@@ -150,9 +169,12 @@ class PollingRunner:
         self._store.update_metrics(key, replace(current.metrics,
                                                 attributes={**old, **attrs}))
 
-    async def _fetch(self, url: str, ssl_ctx: ssl.SSLContext | bool) -> str:
+    async def _fetch(self, url: str, ssl_ctx: ssl.SSLContext | bool,
+                     accept: str | None = None) -> str:
         assert self._session is not None
-        async with self._session.get(url, ssl=ssl_ctx, allow_redirects=False) as resp:
+        headers = {"Accept": accept} if accept else None
+        async with self._session.get(url, ssl=ssl_ctx, allow_redirects=False,
+                                     headers=headers) as resp:
             if resp.status != 200:
                 raise ValueError(f"HTTP {resp.status}")
             body = await resp.content.read(MAX_BODY_BYTES + 1)
@@ -171,3 +193,30 @@ class PollingRunner:
         else:
             self._problems[(who, key)] = problem
             log.warning("data layer: %s (logged again only if the error changes)", problem)
+
+
+def client_tls_context(insecure_skip_verify: bool, ca_cert_path: str = "",
+                client_cert_path: str = "", client_key_path: str = "") -> ssl.SSLContext:
+    """llm-d's tlsClientConfig: skip verification, or verify against ``ca_cert_path``
+    (else the system pool); a client certificate when either path is set. Raises
+    ParameterError naming the key whose file is bad."""
+    ctx = ssl.create_default_context()
+    if insecure_skip_verify:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    elif ca_cert_path:
+        try:
+            ctx = ssl.create_default_context(cafile=ca_cert_path)
+        except (OSError, ssl.SSLError) as e:
+            raise ParameterError("caCertPath", f"reading CA cert {ca_cert_path}: {e}") from None
+    if client_cert_path or client_key_path:
+        if not (client_cert_path and client_key_path):
+            raise ParameterError("clientCertPath" if not client_cert_path else "clientKeyPath",
+                                 "loading client cert: set clientCertPath and "
+                                 "clientKeyPath together")
+        try:
+            ctx.load_cert_chain(client_cert_path, client_key_path)
+        except (OSError, ssl.SSLError) as e:
+            raise ParameterError("clientCertPath", f"loading client cert "
+                                 f"{client_cert_path} / key {client_key_path}: {e}") from None
+    return ctx

@@ -89,7 +89,7 @@ import ssl
 import time
 from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -101,6 +101,9 @@ from epp.datalayer.engines import EngineMapping, EngineMappings, Extracted
 from epp.datastore.store import Datastore, Unsubscribe
 from epp.errors import ConfigError
 from epp.scheduling.types import NO_METRICS, Endpoint, Metrics
+
+if TYPE_CHECKING:
+    from epp.observability.metrics import EppMetrics
 
 log = logging.getLogger(__name__)
 
@@ -217,6 +220,11 @@ _TIMEOUT = "timeout"  # no response headers within the poll timeout
 _BAD_RESPONSE = "response"  # an answer, but not a usable one (status, size, body)
 _MALFORMED = "malformed"  # the body's wanted lines do not parse, or exceed the limits
 _INTERNAL = "internal"  # a bug in the scraper
+_NO_SIGNAL = "no-signal"  # a parsed body without one load signal (the extraction failed)
+
+# The source and extractor types llm-d's data-layer error counters name for the scrape.
+SOURCE_TYPE = "metrics-data-source"
+EXTRACTOR_TYPE = "core-metrics-extractor"
 
 
 _utf8_decoder = codecs.getincrementaldecoder("utf-8")
@@ -393,7 +401,11 @@ class MetricsScraper:
     """Keeps every endpoint's :class:`Metrics` in ``store`` fresh. See the module doc."""
 
     def __init__(self, store: Datastore, options: ScrapeOptions | None = None,
-                 engines: EngineMappings | None = None, *, seed: int | None = None) -> None:
+                 engines: EngineMappings | None = None, *, seed: int | None = None,
+                 metrics: EppMetrics | None = None) -> None:
+        """``metrics``: where failed polls and extractions are counted (llm-d's
+        ``llm_d_epp_datalayer_{poll,extract}_errors_total``); None: not counted."""
+        self._metrics = metrics
         self.options = (options or ScrapeOptions()).validate()
         self._store = store
         self._engines = engines or EngineMappings()
@@ -648,7 +660,7 @@ class MetricsScraper:
                 # garbage, the wrong port or engine). A failure, so that it backs off and
                 # goes stale instead of looking idle.
                 raise _ScrapeFailure(f"no load signal in the body from {st.url}: missing "
-                                     f"{'; '.join(extracted.missing)}", _BAD_RESPONSE,
+                                     f"{'; '.join(extracted.missing)}", _NO_SIGNAL,
                                      "no load signal")
         except _ScrapeFailure as e:
             self._failed(st, e)
@@ -661,6 +673,9 @@ class MetricsScraper:
 
     def _succeeded(self, st: _EndpointState, ex: Extracted, now: float) -> None:
         self.scrapes_ok += 1
+        if ex.missing and self._metrics is not None:
+            # llm-d's core-metrics-extractor fails on a missing signal (its source counts it).
+            self._metrics.record_datalayer_extract_error(SOURCE_TYPE, EXTRACTOR_TYPE)
         st.last_success = now
         st.failures = 0
         st.timeouts = 0
@@ -688,6 +703,13 @@ class MetricsScraper:
 
     def _failed(self, st: _EndpointState, failure: _ScrapeFailure) -> None:
         self.scrapes_failed += 1
+        if self._metrics is not None:
+            # llm-d: a poll that yields no payload is a poll error (its collector); one
+            # whose payload the extractor cannot read, an extract error (HTTPDataSource).
+            if failure.kind == _NO_SIGNAL:
+                self._metrics.record_datalayer_extract_error(SOURCE_TYPE, EXTRACTOR_TYPE)
+            else:
+                self._metrics.record_datalayer_poll_error(SOURCE_TYPE)
         st.failures += 1
         self._report(st, f"metrics scrape of {st.key} failed: {failure}", failure.key)
         if failure.kind == _TIMEOUT:

@@ -105,6 +105,7 @@ class PodInfo:
     node_name: str | None
     active_ports: str | None  # the raw annotation value, None when absent
     lws_size: str | None = None  # LeaderWorkerSet's group-size annotation, raw
+    host_ip: str = ""  # status.hostIP: the node's address (dcgm-data-source useNodeAddress)
 
 
 def parse_selector(text: str, where: str = "--endpoint-selector") -> dict[str, str]:
@@ -220,6 +221,7 @@ def pod_info(pod: JsonObj) -> PodInfo:
         node_name=spec.get("nodeName") or None,
         active_ports=annotations.get(keys.ANNOTATION_ACTIVE_PORTS),
         lws_size=annotations.get(keys.ANNOTATION_LWS_SIZE),
+        host_ip=str(status.get("hostIP") or ""),
     )
 
 
@@ -263,7 +265,8 @@ def build_endpoints(pods: Iterable[PodInfo], pool: PoolSpec,
                 continue
             ep = Endpoint(name=f"{pod.name}-rank-{idx}", namespace=pod.namespace,
                           address=pod.ip, port=port, labels=pod.labels,
-                          node_name=pod.node_name, node_labels=topo)
+                          node_name=pod.node_name, node_labels=topo,
+                          node_address=pod.host_ip or None)
             if ep.key in seen:
                 log.warning("pod %s/%s: endpoint %s already taken by another pod; skipped",
                             pod.namespace, pod.name, ep.key)
@@ -275,7 +278,7 @@ def build_endpoints(pods: Iterable[PodInfo], pool: PoolSpec,
 
 def _signature(eps: Iterable[Endpoint]) -> tuple[Any, ...]:
     return tuple((e.key, e.name, e.namespace, tuple(sorted(e.labels.items())), e.node_name,
-                  tuple(sorted(e.node_labels.items()))) for e in eps)
+                  tuple(sorted(e.node_labels.items())), e.node_address) for e in eps)
 
 
 # ---------------------------------------------------------------------------------------

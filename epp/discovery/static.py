@@ -22,7 +22,7 @@ import asyncio
 import ipaddress
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -158,8 +158,10 @@ def read_endpoints_file(path: Path) -> list[Endpoint]:
 class StaticFileSource:
     """Loads the endpoints file into the datastore and re-reads it when it changes."""
 
-    def __init__(self, path: Path, store: Datastore, poll_interval_s: float = 0.5) -> None:
+    def __init__(self, path: Path, store: Datastore, poll_interval_s: float = 0.5,
+                 reader: Callable[[Path], list[Endpoint]] | None = None) -> None:
         self.path = path
+        self._read = reader or read_endpoints_file  # another format: llmd_file.py
         self.store = store
         self.poll_interval_s = poll_interval_s
         self._stamp: tuple[int, int, int] | None = None
@@ -176,7 +178,7 @@ class StaticFileSource:
     def load_initial(self) -> None:
         """Read the file once; errors propagate (startup must fail on a bad file)."""
         self._stamp = self._file_stamp()
-        self.store.set_endpoints(read_endpoints_file(self.path))
+        self.store.set_endpoints(self._read(self.path))
 
     def reload_if_changed(self) -> bool:
         stamp = self._file_stamp()
@@ -184,7 +186,7 @@ class StaticFileSource:
             return False
         self._stamp = stamp
         try:
-            endpoints = read_endpoints_file(self.path)
+            endpoints = self._read(self.path)
         except ConfigError as e:
             if str(e) != self._last_error:
                 log.error("endpoints file change ignored, keeping the last good set: %s", e)

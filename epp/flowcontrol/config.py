@@ -18,9 +18,15 @@ key                            value                               default
                                                                    dispatched or cancelled)
 ``defaultPriorityBand``        a band (below), template for        GIE's band defaults
                                priorities no band names
+``enableEviction``             bool: evict sheddable in-flight     false
+                               requests for blocked higher
+                               bands (llm-d; eviction.py)
 ``priorityBands``              list of bands                       none
 ``usageLimitPolicyPluginRef``  a usage-limit policy plugin's name  static-usage-limit-policy
 =============================  ==================================  =========================
+
+``defaultNegativePriorityBand`` (llm-d-router v0.10.0): a band, the template for negative
+priorities no band names (default: ``defaultPriorityBand``).
 
 A band: ``priority`` (integer, higher is served first; 0 when omitted), ``maxBytes``
 (quantity; 0 or omitted: 1,000,000,000), ``maxRequests`` (quantity; 0 or omitted: no
@@ -75,7 +81,9 @@ DEFAULT_PRIORITY_BAND_GC_TIMEOUT: Final = 600.0  # an idle dynamic band after 10
 
 _TOP_KEYS: Final = frozenset({"maxBytes", "maxRequests", "defaultRequestTTL",
                               "defaultPriorityBand", "priorityBands",
-                              "usageLimitPolicyPluginRef"})
+                              "usageLimitPolicyPluginRef",
+                              # llm-d-router v0.10.0 (apix/config/v1alpha1)
+                              "defaultNegativePriorityBand", "enableEviction"})
 _BAND_KEYS: Final = frozenset({"priority", "maxBytes", "maxRequests", "fairnessPolicyRef",
                                "orderingPolicyRef"})
 _INT64_MAX: Final = (1 << 63) - 1
@@ -108,6 +116,9 @@ class FlowControlSpec:
     usage_limit_policy_ref: str | None = None
     path: str = SECTION
     warnings: tuple[str, ...] = ()
+    # llm-d-router v0.10.0's keys.
+    default_negative_priority_band: PriorityBandSpec | None = None
+    enable_eviction: bool = False
 
 
 def _err(source: str, path: str, msg: str) -> ConfigError:
@@ -271,6 +282,15 @@ def parse_flow_control(raw: Any, source: str = "<config>",
         default_band, w = _band(source, f"{path}.defaultPriorityBand",
                                 raw["defaultPriorityBand"], template=True)
         warnings += w
+    negative_band: PriorityBandSpec | None = None
+    if raw.get("defaultNegativePriorityBand") is not None:
+        negative_band, w = _band(source, f"{path}.defaultNegativePriorityBand",
+                                 raw["defaultNegativePriorityBand"], template=True)
+        warnings += w
+    eviction = raw.get("enableEviction")
+    if eviction is not None and not isinstance(eviction, bool):
+        raise _err(source, f"{path}.enableEviction",
+                   f"expected true or false, got {eviction!r}")
     bands: list[PriorityBandSpec] = []
     raw_bands = raw.get("priorityBands")
     if raw_bands is not None:
@@ -297,6 +317,8 @@ def parse_flow_control(raw: Any, source: str = "<config>",
                                     raw.get("usageLimitPolicyPluginRef")),
         path=path,
         warnings=tuple(warnings),
+        default_negative_priority_band=negative_band,
+        enable_eviction=bool(eviction),
     )
 
 
@@ -354,6 +376,10 @@ class FlowControlConfig:
     default_request_ttl: float = 0.0
     flow_gc_timeout: float = DEFAULT_FLOW_GC_TIMEOUT
     priority_band_gc_timeout: float = DEFAULT_PRIORITY_BAND_GC_TIMEOUT
+    # llm-d-router v0.10.0: the template for negative priorities no band names (None:
+    # ``default_priority_band``), and in-flight eviction (epp/flowcontrol/eviction.py).
+    default_negative_priority_band: BandConfig | None = None
+    enable_eviction: bool = False
 
     def __post_init__(self) -> None:
         if self.max_bytes < 0 or self.max_requests < 0:
@@ -373,7 +399,15 @@ class FlowControlConfig:
     def band(self, priority: int) -> BandConfig:
         """The configured band for ``priority``, or the default template for it."""
         band = self.priority_bands.get(priority)
-        return band if band is not None else self.default_priority_band.for_priority(priority)
+        return band if band is not None else self.template_for(priority)
+
+    def template_for(self, priority: int) -> BandConfig:
+        """The template a band for ``priority`` is provisioned from: the negative-priority
+        template for priority < 0 when there is one (llm-d's registry), else the default."""
+        template = self.default_priority_band
+        if priority < 0 and self.default_negative_priority_band is not None:
+            template = self.default_negative_priority_band
+        return template.for_priority(priority)
 
 
 def default_config(*, max_bytes: int = 0, max_requests: int = 0,
@@ -456,6 +490,10 @@ def build_flow_control(spec: FlowControlSpec | None, handle: PluginHandle,
     template_path = (spec.default_priority_band.path if spec.default_priority_band
                      else f"{spec.path}.defaultPriorityBand")
     template = _build_band(handle, source, spec.default_priority_band, 0, template_path)
+    negative: BandConfig | None = None
+    if spec.default_negative_priority_band is not None:
+        negative = _build_band(handle, source, spec.default_negative_priority_band, 0,
+                               spec.default_negative_priority_band.path)
     bands = {b.priority: _build_band(handle, source, b, b.priority, b.path)
              for b in spec.priority_bands}
     uref = spec.usage_limit_policy_ref or DEFAULT_USAGE_LIMIT_POLICY
@@ -469,4 +507,6 @@ def build_flow_control(spec: FlowControlSpec | None, handle: PluginHandle,
         max_bytes=spec.max_bytes or 0,
         max_requests=spec.max_requests or 0,
         default_request_ttl=spec.default_request_ttl or 0.0,
+        default_negative_priority_band=negative,
+        enable_eviction=spec.enable_eviction,
     )

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from epp.flowcontrol.config import BandConfig, FlowControlConfig
+from epp.flowcontrol.eviction import ReclamationController, maybe_reclaim
 from epp.flowcontrol.interfaces import FairnessPolicy, OrderingPolicy
 from epp.flowcontrol.metrics import FlowControlMetrics
 from epp.flowcontrol.queues import FlowQueue, QueueItem, new_queue, sorted_insert, sorted_remove
@@ -232,7 +233,8 @@ class FlowController:
     def __init__(self, config: FlowControlConfig, saturation: SaturationFn, *,
                  metrics: FlowControlMetrics | None = None,
                  dispatch_interval: float = DEFAULT_DISPATCH_INTERVAL,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 reclamation: ReclamationController | None = None) -> None:
         if not dispatch_interval > 0:
             raise ValueError(f"dispatch_interval must be > 0, got {dispatch_interval}")
         self.config = config
@@ -261,12 +263,20 @@ class FlowController:
         self._waiter_ticks = False
         self._kicked = False
         self._logged: dict[str, float] = {}
+        # llm-d's in-flight eviction (flowControl.enableEviction; epp/flowcontrol/
+        # eviction.py): asked on every head-of-line break. None: off.
+        self.reclamation = reclamation
 
     # ------------------------------------------------------------------ lifecycle
 
     @property
     def running(self) -> bool:
         return self._running
+
+    @property
+    def clock_fn(self) -> Callable[[], float]:
+        """The controller's clock (monotonic seconds)."""
+        return self._clock
 
     async def start(self) -> None:
         """Start the dispatcher task on the running loop; requests are rejected
@@ -398,7 +408,7 @@ class FlowController:
     def _provision(self, priority: int, now: float) -> PriorityBand:
         """A band for a priority the config does not name, from the default band."""
         band = self._bands[priority] = PriorityBand(
-            self.config.default_priority_band.for_priority(priority), True, self._totals, now)
+            self.config.template_for(priority), True, self._totals, now)
         self._priorities = sorted(self._bands, reverse=True)
         log.debug("flow control: provisioned priority band %d", priority)
         return band
@@ -471,6 +481,8 @@ class FlowController:
             for i, priority in enumerate(priorities):
                 ceiling = ceilings[i]
                 if saturation >= ceiling:
+                    if self.reclamation is not None:
+                        self._maybe_reclaim(saturation, priorities, ceilings, i)
                     return False  # head-of-line blocking: nothing below goes either
                 band = bands[priority]
                 if not band.len:
@@ -497,6 +509,18 @@ class FlowController:
         finally:
             if metrics is not None:
                 metrics.observe_cycle(self._perf() - t0)
+
+    def _maybe_reclaim(self, saturation: float, priorities: Sequence[int],
+                       ceilings: Sequence[float], index: int) -> None:
+        reclamation = self.reclamation
+        assert reclamation is not None
+        bands = self._bands
+        try:
+            maybe_reclaim(reclamation, reclamation.clock(), saturation, priorities, ceilings,
+                          index, lambda p: bands[p].len)
+        except Exception:  # noqa: BLE001 - eviction must not break dispatching
+            self._log_limited("reclaim", "flow control: in-flight eviction failed",
+                              exc_info=True)
 
     async def _run(self) -> None:
         """The dispatcher: a cycle per tick while requests are queued, one per

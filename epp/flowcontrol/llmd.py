@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+from epp.flowcontrol.eviction import EVICTION_PLUGINS
 from epp.flowcontrol.interfaces import FlowQueueView, PriorityBandView
 from epp.flowcontrol.types import DEFAULT_FAIRNESS_ID
 from epp.framework.handle import PluginHandle
@@ -213,7 +214,7 @@ class ProgramMetrics:
     policy's clock, waits in milliseconds."""
 
     __slots__ = ("attained_service", "average_wait_ms", "decay_anchor", "dispatched",
-                 "in_flight", "last_completion", "wait_count")
+                 "in_flight", "last_completion", "reported_service", "wait_count")
 
     def __init__(self, now: float) -> None:
         self.average_wait_ms = 0.0
@@ -225,6 +226,9 @@ class ProgramMetrics:
         # LAS: weighted tokens served, decayed while the program is idle.
         self.attained_service = 0.0
         self.decay_anchor: float | None = None
+        # llm_d_epp_program_aware_attained_service_tokens: the service as of the last
+        # completed response (llm-d sets its gauge there; None: none yet).
+        self.reported_service: float | None = None
 
     def record_dispatched(self, wait_ms: float | None) -> None:
         self.in_flight += 1
@@ -382,6 +386,7 @@ class ProgramAwareFairness:
         m = self.metrics(request.fairness_id or DEFAULT_FAIRNESS_ID)
         m.attained_service += cost
         m.decay_anchor = self.clock()
+        m.reported_service = m.attained_service
         return None
 
     # -------------------------------------------------------------------- upkeep
@@ -408,4 +413,5 @@ LLMD_FLOW_CONTROL_PLUGINS: tuple[type, ...] = (
     SoftReflectiveCeilingPolicy,
     PriorityHoldbackPolicy,
     ProgramAwareFairness,
+    *EVICTION_PLUGINS,  # sheddable-eviction-filter, priority-then-time-… (eviction.py)
 )

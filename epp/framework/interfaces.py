@@ -215,6 +215,16 @@ class PrepareDataPlugin(Plugin, Protocol):
 
 
 @runtime_checkable
+class TimeoutAwareProducer(Plugin, Protocol):
+    """A PrepareData plugin that needs longer than :data:`PREPARE_DATA_TIMEOUT_S`
+    (llm-d-router's ``TimeoutAwareProducer``, e.g. ``burst-prefix-cache-producer``, which
+    waits out its batch window): the budget of a request's PrepareData plugins is the
+    largest of the default and their ``produce_timeout()`` (seconds; ≤ 0: the default)."""
+
+    def produce_timeout(self) -> float: ...
+
+
+@runtime_checkable
 class AdmissionPlugin(Plugin, Protocol):
     """May refuse a request before it is scheduled (GIE's ``AdmissionPlugin``): called
     after the PrepareData plugins, in declaration order; the first refusal answers the
@@ -223,6 +233,28 @@ class AdmissionPlugin(Plugin, Protocol):
     def admit_request(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> str | None:
         """None admits; a string refuses, naming why (logged)."""
         ...
+
+
+@runtime_checkable
+class RequestHeaderProcessor(Plugin, Protocol):
+    """Reads the request's metadata before admission (llm-d-router's
+    ``RequestHeaderProcessor``, e.g. ``agent-identity``): called once per request, in
+    declaration order, before flow control and everything else of the decision; it may
+    leave values in ``request.plugin_state`` (llm-d's request attributes). After them a
+    request without a fairness ID takes ``plugin_state["agent-identity"]`` when set."""
+
+    def request_header(self, request: LLMRequest) -> None: ...
+
+
+@runtime_checkable
+class Screener(Plugin, Protocol):
+    """Narrows the candidates before the PrepareData plugins, admission and every
+    scheduling profile run (llm-d-router's ``Screener``): each screener sees the same
+    candidates and the EPP keeps the endpoints all of them kept (their intersection, in
+    the candidates' order); none left answers 503 "screeners eliminated all endpoint
+    candidates". Runs once per request, whatever the profiles."""
+
+    def screen(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> Sequence[Endpoint]: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Final, Literal, Protocol, runtime_checkable
 
 from epp.errors import ConfigError
 from epp.framework.handle import PluginHandle
@@ -67,14 +67,66 @@ def builder_for(cls: Any, ref: str) -> Builder:
                       "see docs/plugins.md")
 
 
+#: llm-d-router v0.10.0's Alpha plugin types: registered with ``fwkplugin.StabilityAlpha``
+#: in cmd/epp/runner/runner.go ``registerInTreePlugins``. llm-d refuses to start with one
+#: of them configured unless ``--allow-experimental-plugins`` is set; ``epp serve`` does the
+#: same (:func:`check_plugin_stability`). Every other type — llm-d's Beta ones, GIE's, this
+#: EPP's own, and Python plugins given by import path — is not gated (llm-d's
+#: GetPluginStability calls a type it has not registered Stable).
+LLMD_ALPHA_TYPES: Final = frozenset({
+    "agent-identity",
+    "burst-prefix-cache-producer",
+    "dcgm-data-source",
+    "dcgm-extractor",
+    "disaggregatedset-rollout-screener",
+    "endpoint-attribute-filter",
+    "endpoint-attribute-scorer",
+    "header-label-affinity-scorer",
+    "header-profile-handler",
+    "multicluster-approx-prefix-cache-producer",
+    "multicluster-file-discovery",
+    "multicluster-kv-cache-utilization-scorer",
+    "multicluster-metrics-data-source",
+    "multicluster-metrics-extractor",
+    "multicluster-prefix-cache-scorer",
+    "multicluster-queue-scorer",
+    "multicluster-session-affinity-filter",
+    "p2p-source-producer",
+    "priority-holdback-policy",
+    "priority-then-time-eviction-order-policy",
+    "session-affinity-filter",
+    "session-affinity-scorer",
+    "sheddable-eviction-filter",
+    "soft-reflective-ceiling-policy",
+    "topology-affinity-filter",
+    "topology-affinity-scorer",
+    "topology-extractor",
+    "utilization-filter",
+})
+
+Stability = Literal["alpha", "stable"]
+
+
 class Registry:
     def __init__(self) -> None:
         self._builders: dict[str, Builder] = {}
+        self._alpha: set[str] = set()
 
-    def register(self, type_name: str, builder: Builder) -> None:
+    def register(self, type_name: str, builder: Builder,
+                 stability: Stability | None = None) -> None:
+        """``stability`` None: alpha when llm-d marks the type so (:data:`LLMD_ALPHA_TYPES`),
+        else stable."""
         if type_name in self._builders:
             raise ValueError(f"plugin type {type_name!r} registered twice")
         self._builders[type_name] = builder
+        if stability is None:
+            stability = "alpha" if type_name in LLMD_ALPHA_TYPES else "stable"
+        if stability == "alpha":
+            self._alpha.add(type_name)
+
+    def stability(self, type_name: str) -> Stability:
+        """A type's stability level (an unregistered or import-path type: stable)."""
+        return "alpha" if type_name in self._alpha else "stable"
 
     def register_class(self, cls: type[Any]) -> None:
         """Register a plugin class (``type_name``, ``Parameters``, ``from_params``)."""
@@ -122,3 +174,17 @@ def _import_builder(ref: str, path: str) -> Builder:
         return builder_for(obj, ref)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
+
+
+def check_plugin_stability(plugins: Mapping[str, Plugin], registry: Registry,
+                           allow_experimental: bool) -> None:
+    """llm-d's ValidatePluginStability: with ``allow_experimental`` off, the first plugin
+    (by name) of an Alpha type fails startup with llm-d's message."""
+    if allow_experimental:
+        return
+    for name in sorted(plugins):
+        type_name = getattr(plugins[name], "type_name", "")
+        if registry.stability(type_name) == "alpha":
+            raise ConfigError(f"plugin '{name}' (type: '{type_name}') has Alpha stability "
+                              "level, but command line flag --allow-experimental-plugins "
+                              "is not set")

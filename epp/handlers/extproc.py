@@ -20,6 +20,8 @@ and its dynamic metadata (e.g. ``request-attribute-reporter``'s ``envoy.lb`` cos
 on the answer to that last message; no other answer carries any.
 
 A rejection is one ImmediateResponse with a JSON error body, after which the stream ends.
+A routed request that flow control evicts in flight (llm-d's ``enableEviction``; the
+servicer's ``evictions``) is ended the same way, with llm-d's 429 plain-text answer.
 An exception inside the handler becomes a 500 before routing, and is logged and passed
 over after it: a stream never crashes.
 """
@@ -30,8 +32,8 @@ import asyncio
 import logging
 import os
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 import grpc
 import orjson
@@ -45,6 +47,7 @@ from google.protobuf.struct_pb2 import Struct
 
 from epp import keys
 from epp.errors import BadRequest, BodyTooLarge, EppError
+from epp.flowcontrol.eviction import EVICTED_BODY, EVICTED_STATUS, HEADER_REQUEST_DROPPED_REASON
 from epp.handlers.protocol import DynamicMetadata, RequestDirector, ResponseMetadata, Routing
 
 log = logging.getLogger(__name__)
@@ -102,9 +105,15 @@ def routing_mutation(routing: Routing, content_length: int | None = None,
     return pb.HeaderMutation(set_headers=sets, remove_headers=removes)
 
 
-def routing_metadata(destination: str) -> Struct:
+def routing_metadata(destination: str, scores: Mapping[str, float] | None = None) -> Struct:
+    """The request-path metadata: ``envoy.lb`` with the destination and, with llm-d's
+    ``--emit-endpoint-scores`` (``scores`` not empty), ``x-gateway-destination-endpoint-
+    scores``: each scored endpoint's ``ip:port`` -> its weighted score (a number)."""
+    lb: dict[str, Any] = {keys.METADATA_DESTINATION_KEY: destination}
+    if scores:
+        lb[keys.METADATA_DESTINATION_SCORES_KEY] = dict(scores)
     md = Struct()
-    md.update({keys.METADATA_NAMESPACE_LB: {keys.METADATA_DESTINATION_KEY: destination}})
+    md.update({keys.METADATA_NAMESPACE_LB: lb})
     return md
 
 
@@ -117,6 +126,16 @@ def immediate_response(status: int, message: str, error_type: str) -> pb.Process
         body=body,
         details=error_type,
     ))
+
+
+def evicted_response(reason: str) -> pb.ProcessingResponse:
+    """llm-d's answer to a request flow control evicted in flight (handlers/server.go):
+    429, plain-text body, the reason in ``x-llm-d-request-dropped-reason``."""
+    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+        status=HttpStatus(code=EVICTED_STATUS),
+        headers=pb.HeaderMutation(set_headers=[_set_header(HEADER_REQUEST_DROPPED_REASON,
+                                                           reason)]) if reason else None,
+        body=EVICTED_BODY))
 
 
 def _streamed_chunks(body: bytes, phase: str) -> list[pb.ProcessingResponse]:
@@ -380,7 +399,7 @@ class ExtProcStream:
             request_headers=pb.HeadersResponse(response=pb.CommonResponse(
                 header_mutation=routing_mutation(routing, content_length, self.token),
                 clear_route_cache=True)),
-            dynamic_metadata=routing_metadata(routing.destination),
+            dynamic_metadata=routing_metadata(routing.destination, routing.scores),
         )
 
     async def _route_duplex(self) -> Sequence[pb.ProcessingResponse]:
@@ -400,7 +419,7 @@ class ExtProcStream:
         else:
             common.header_mutation.CopyFrom(routing_mutation(routing, token=self.token))
         return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=common),
-                                      dynamic_metadata=routing_metadata(routing.destination))]
+                                      dynamic_metadata=routing_metadata(routing.destination, routing.scores))]
 
     # --- response path ---
 
@@ -537,6 +556,25 @@ class ExtProcStream:
             except Exception:
                 log.exception("computing the response's dynamic metadata failed; none sent")
 
+    @property
+    def request_id(self) -> str:
+        """The routed request's ``x-request-id`` (the client's, or the one the EPP set)."""
+        rid = self._headers.get(keys.HEADER_REQUEST_ID)
+        if not rid and self._routing is not None:
+            rid = self._routing.set_headers.get(keys.HEADER_REQUEST_ID)
+        return rid or ""
+
+    def evict(self, reason: str) -> Sequence[pb.ProcessingResponse] | None:
+        """Flow control evicted the routed request (llm-d's ``RequestEvicted`` state): the
+        answer that ends it, or None when its response already completed (ignored)."""
+        if self.closed or (self._done_reported and not self._aborted):
+            return None
+        log.info("request evicted by flow control", extra={"request_id": self.request_id})
+        self.closed = True
+        self._chunks = []
+        self._report_done(aborted=True)
+        return [evicted_response(reason)]
+
     def take_metadata(self) -> Struct | None:
         """The response's dynamic metadata, once (None: none, or sent already)."""
         md = self._metadata
@@ -602,13 +640,16 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                  observer_grace_s: float = 5.0, observer_supported: bool = True,
                  max_headers: int = DEFAULT_MAX_HEADERS,
                  body_consumers: Sequence[str] = (),
-                 response_metadata: ResponseMetadata | None = None) -> None:
-        """``body_consumers``: names of configured plugins that need response bodies
+                 response_metadata: ResponseMetadata | None = None,
+                 evictions: EvictionLookup | None = None) -> None:
+        """``evictions``: the in-flight eviction tracker (flowControl.enableEviction); a
+        routed request it may evict is answered 429 when evicted. ``body_consumers``: names of configured plugins that need response bodies
         (``response_needs`` contains ``"body"``); the first lean-shape stream warns that
         the gateway cannot feed them. ``response_metadata``: see :class:`ExtProcStream`
         (not on the split response path: the observer stream cannot answer)."""
         self._director = director
         self._response_metadata = response_metadata
+        self._evictions = evictions
         self._max_headers = max_headers
         self._body_consumers = tuple(body_consumers)
         self._lean_noted = False
@@ -647,9 +688,30 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                                                      self._response_metadata)
         clean = False
         read, write, eof = context.read, context.write, grpc.aio.EOF
+        evictions = self._evictions
+        evicted: asyncio.Future[str] | None = None  # set once routed and evictable
+        reading: asyncio.Future[Any] | None = None
         try:
             while True:
-                msg = await read()
+                if evicted is None and reading is None:
+                    msg = await read()
+                else:
+                    if reading is None:
+                        reading = asyncio.ensure_future(read())
+                    if evicted is not None:
+                        await asyncio.wait((reading, evicted),
+                                           return_when=asyncio.FIRST_COMPLETED)
+                    if evicted is not None and evicted.done():
+                        assert stream is not None
+                        ending = stream.evict(evicted.result())
+                        evicted = None
+                        if ending is None:
+                            continue  # the response completed first
+                        for resp in ending:
+                            await write(resp)
+                        return
+                    msg = await reading
+                    reading = None
                 if msg is eof:
                     break
                 if msg.observability_mode:
@@ -667,13 +729,19 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     await write(resp)
                 if stream.closed:
                     return
+                if evictions is not None and evicted is None and stream.routed:
+                    evicted = _eviction_future(evictions, stream.request_id)
+                    if evicted is None:
+                        evictions = None  # not evictable: nothing to listen for
                 if stream.echoing:
-                    clean = await _echo(stream, read, write)
+                    clean = await _echo(stream, read, write, evicted)
                     return
             clean = True
         except DecodeError as e:
             await self._not_ext_proc(context, e)
         finally:
+            if reading is not None:
+                reading.cancel()
             if stream is not None:
                 self._end(stream, clean)
 
@@ -767,8 +835,36 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
 _RESPONSE_KINDS = frozenset({"response_headers", "response_body", "response_trailers"})
 
 
+class EvictionLookup(Protocol):
+    """The in-flight eviction tracker as the streams see it (llm-d's
+    ``EvictChannelLookup``; epp/flowcontrol/eviction.py ``RequestEvictor``)."""
+
+    def signal(self, request_id: str) -> Any:
+        """The request's eviction signal (``subscribe(callback(reason))``), or None when
+        it cannot be evicted."""
+        ...
+
+
+_EVICTED = object()  # the echo loop's marker: the request was evicted
+
+
+def _eviction_future(evictions: EvictionLookup, request_id: str) -> asyncio.Future[str] | None:
+    signal = evictions.signal(request_id) if request_id else None
+    if signal is None:
+        return None
+    fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    def fired(reason: str) -> None:
+        if not fut.done():
+            fut.set_result(reason)
+
+    signal.subscribe(fired)
+    return fut
+
+
 async def _echo(stream: ExtProcStream, read: Callable[[], Any],
-                write: Callable[[pb.ProcessingResponse], Any]) -> bool:
+                write: Callable[[pb.ProcessingResponse], Any],
+                evicted: asyncio.Future[str] | None = None) -> bool:
     """Serve the rest of a stream whose response body streams in full duplex (GIE's
     shape), coalescing chunks that are already queued into one answer.
 
@@ -806,6 +902,12 @@ async def _echo(stream: ExtProcStream, read: Callable[[], Any],
             wake()
 
     task = loop.create_task(reader())
+    if evicted is not None:
+        def on_evicted(_: asyncio.Future[str]) -> None:
+            queue.append(_EVICTED)
+            wake()
+
+        evicted.add_done_callback(on_evicted)
     try:
         while True:
             if not queue:
@@ -817,7 +919,7 @@ async def _echo(stream: ExtProcStream, read: Callable[[], Any],
             last = False
             while queue and not last:
                 m = queue[0]
-                if m is eof or isinstance(m, BaseException) \
+                if m is eof or m is _EVICTED or isinstance(m, BaseException) \
                         or m.WhichOneof("request") != "response_body":
                     break
                 queue.popleft()
@@ -833,6 +935,14 @@ async def _echo(stream: ExtProcStream, read: Callable[[], Any],
             m = queue.popleft()
             if m is eof:
                 return True
+            if m is _EVICTED:
+                assert evicted is not None
+                ending = stream.evict(evicted.result())
+                if ending is None:
+                    continue  # the response completed first
+                for resp in ending:
+                    await write(resp)
+                return False
             if isinstance(m, BaseException):
                 raise m
             for resp in await stream.handle(m):

@@ -37,6 +37,9 @@ class Routing:
     set_headers: Mapping[str, str] = field(default_factory=dict)
     body: bytes | None = None
     context: Any = None
+    # llm-d's --emit-endpoint-scores: endpoint ``ip:port`` -> the primary profile's
+    # weighted score, sent as envoy.lb's x-gateway-destination-endpoint-scores; None: off.
+    scores: Mapping[str, float] | None = None
 
 
 class RequestDirector(Protocol):

@@ -244,9 +244,10 @@ def decode_event(raw: Any) -> KVEvent:
             raise EventDecodeError(f"BlockStored: need at least 4 fields, got {len(f) - 1}")
         tokens = f[3]
         if not isinstance(tokens, list | tuple) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in tokens
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**63 for t in tokens
         ):
-            raise EventDecodeError("BlockStored: token_ids is not an array of integers")
+            raise EventDecodeError(
+                "BlockStored: token_ids is not an array of non-negative 64-bit integers")
         block_size = _opt_int(f[4], "BlockStored: block_size")
         if block_size is None:
             raise EventDecodeError("BlockStored: block_size is missing")

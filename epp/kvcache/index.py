@@ -9,7 +9,7 @@ event becomes index operations) and ``pkg/kvcache/kvblock_scorer.go``
 Two kinds of key, as in llm-d:
 
 * **request keys**: the EPP's own chained block hashes
-  (:func:`epp.kvcache.hashing.llmd_request_keys`) of the event's ``token_ids``,
+  (:func:`epp.kvcache.hashing.request_keys`) of the event's ``token_ids``,
   computed with the EPP's ``blockSize``/``hashSeed`` and the model (or LoRA) name. The
   request path hashes the request's tokens the same way, so the engine's hash algorithm,
   ``PYTHONHASHSEED`` and block size need not be known here;
@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from epp.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from epp.kvcache.hashing import llmd_request_keys
+from epp.kvcache.hashing import request_keys as chain_keys
 
 __all__ = ["DEFAULT_MEDIUM_WEIGHTS", "BlockIndex", "IndexStats", "event_extra", "normalize_medium"]
 
@@ -134,8 +134,8 @@ class BlockIndex:
         if cache_salt and n:
             extra = [None] * n
             extra[0] = [{"Hash": cache_salt}]
-        return llmd_request_keys(tokens, self.block_size, model_name=model,
-                                 hash_seed=self.hash_seed, extra=extra)
+        return chain_keys(tokens, self.block_size, model_name=model,
+                          hash_seed=self.hash_seed, extra=extra)
 
     def lookup(self, keys: Sequence[int], pods: Iterable[str] | None = None
                ) -> list[dict[str, set[str]]]:
@@ -215,9 +215,9 @@ class BlockIndex:
             if known:
                 self._add(pod, dict.fromkeys(known), medium)
             return
-        rks = llmd_request_keys(ev.token_ids, self.block_size, model_name=name,
-                                hash_seed=self.hash_seed, parent=parent_rk,
-                                extra=event_extra(ev, len(ev.token_ids) // self.block_size))
+        rks = chain_keys(ev.token_ids, self.block_size, model_name=name,
+                         hash_seed=self.hash_seed, parent=parent_rk,
+                         extra=event_extra(ev, len(ev.token_ids) // self.block_size))
         if not rks:
             return
         self._map_engine(pod, engine, rks)

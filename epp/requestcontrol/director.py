@@ -53,11 +53,14 @@ from epp.framework.interfaces import (
     Plugin,
     PrepareDataPlugin,
     PreRequest,
+    RequestHeaderProcessor,
     RequestHeaders,
     ResponseComplete,
     ResponseHeaders,
     ResponseMeasured,
     ResponseTimings,
+    Screener,
+    TimeoutAwareProducer,
 )
 from epp.handlers.protocol import Routing
 from epp.observability.explain import DecisionLog, ExplainObserver
@@ -68,10 +71,14 @@ from epp.parsing.parser import Parser, ResponseParser
 from epp.parsing.parsers import OpenAIParser
 from epp.parsing.request import ParsedRequest, api_type_for_path, rewrite_model
 from epp.parsing.usage import Usage
+from epp.requestcontrol.agent_identity import AGENT_IDENTITY_KEY
 from epp.scheduling.scheduler import Scheduler
 from epp.scheduling.types import Endpoint, LLMRequest, SchedulingResult
 
 log = logging.getLogger(__name__)
+
+# request.plugin_state: the screened candidates, from decide_prepared to decide.
+_SCREENED = "epp.screened-candidates"
 
 
 @dataclass(slots=True)
@@ -87,6 +94,9 @@ class Decision:
     set_headers: dict[str, str]
     response_headers: dict[str, str]
     ticket: Any
+    # llm-d's --emit-endpoint-scores: the primary profile's candidates, ip:port -> weighted
+    # score (SchedulingCore.emit_endpoint_scores); None when off.
+    scores: dict[str, float] | None = None
 
 
 @dataclass(slots=True)
@@ -134,8 +144,14 @@ class SchedulingCore:
         response_measured: Sequence[ResponseMeasured] = (),
         flow_control: FlowController | None = None,
         saturation: SaturationFn | None = None,
+        request_header_processors: Sequence[RequestHeaderProcessor] = (),
+        screeners: Sequence[Screener] = (),
     ) -> None:
         self.store = store
+        # llm-d-router's RequestHeaderProcessor plugins (first of all, decide_request)
+        # and Screeners (over the candidates, before PrepareData: _screened).
+        self.request_header_processors = tuple(request_header_processors)
+        self.screeners = tuple(screeners)
         # Admission, before anything else of a decision (GIE's AdmissionController; see
         # admit()): the flow controller under the flowControl feature gate; otherwise
         # GIE's legacy rule over ``saturation`` (the config's saturation detector; None:
@@ -145,6 +161,10 @@ class SchedulingCore:
         # GIE's PrepareData and Admission plugins (before scheduling: decide_prepared,
         # decide) and what learns from measured responses (complete).
         self.prepare_data = tuple(prepare_data)
+        # Their budget together: GIE's 400 ms, or more for llm-d's TimeoutAwareProducers.
+        self._prepare_budget = max([PREPARE_DATA_TIMEOUT_S] + [
+            p.produce_timeout() for p in self.prepare_data
+            if isinstance(p, TimeoutAwareProducer)])
         self.admission = tuple(admission)
         self.response_measured = tuple(response_measured)
         # InferenceObjectives and InferenceModelRewrites: read by the Directors (in this
@@ -160,6 +180,8 @@ class SchedulingCore:
         self.decisions = decisions
         self.tracing = tracing
         self.on_upstream_failure: Callable[[str], None] | None = None
+        # llm-d's --emit-endpoint-scores: decisions carry the primary profile's scores.
+        self.emit_endpoint_scores = False
         handler = scheduler.handler
         # P/D handlers classify each decision ("disaggregated" / "decode-only").
         self._metrics_observer = MetricsObserver(
@@ -171,7 +193,16 @@ class SchedulingCore:
                              subset: Sequence[str] | None) -> Decision:
         """The whole decision, in GIE's Director's order: admission (:meth:`admit`), then
         :meth:`decide_prepared`. What the CoreClients call (in process and for the
-        ``--workers`` fronts). Suspends only while flow control holds the request."""
+        ``--workers`` fronts). Suspends only while flow control holds the request.
+        llm-d's RequestHeaderProcessor plugins run first; a request without a fairness
+        ID then takes the ``agent-identity`` one they left (llm-d's Director)."""
+        if self.request_header_processors:
+            for processor in self.request_header_processors:
+                processor.request_header(request)
+            if not request.fairness_id:
+                agent = request.plugin_state.get(AGENT_IDENTITY_KEY)
+                if isinstance(agent, str) and agent:
+                    request.fairness_id = agent
         if self.flow_control is not None or (request.priority < 0
                                              and self.saturation is not None):
             await self.admit(request, subset)
@@ -229,7 +260,9 @@ class SchedulingCore:
         if request.model_rewrite is not None:
             self.metrics.record_model_rewrite(request.model_rewrite, request.incoming_model,
                                               request.target_model)
-        self.reject(request.incoming_model, request.target_model, status)
+        self.metrics.record_request_error(request.incoming_model, request.target_model,
+                                          request.fairness_id, request.priority,
+                                          gie_error_code(status))
 
     def decide(self, request: LLMRequest, subset: Sequence[str] | None) -> Decision:
         """Schedule ``request``; raises EppError (counted) when it cannot be placed."""
@@ -239,7 +272,7 @@ class SchedulingCore:
                                               request.target_model)
         observer = self._observer(request)
         try:
-            candidates = self._candidates(subset)
+            candidates = self._screened_once(request, subset)
             if self.admission:
                 self._admit(request, candidates)
             result = self._schedule(request, candidates, observer)
@@ -267,19 +300,51 @@ class SchedulingCore:
                 candidates = self._candidates(subset)
             except EppError:
                 candidates = ()  # decide() answers (and counts) it
+            if candidates and self.screeners:
+                try:
+                    candidates = self._screened(request, candidates)
+                except ServiceUnavailable:
+                    candidates = ()
+                # Screened once: decide() schedules over these (or answers 503).
+                request.plugin_state[_SCREENED] = tuple(candidates)
             if candidates:
                 await self._prepare_data(request, candidates)
         return self.decide(request, subset)
 
+    def _screened_once(self, request: LLMRequest,
+                       subset: Sequence[str] | None) -> Sequence[Endpoint]:
+        """The candidates, screened — by decide_prepared already when it left them."""
+        screened: Sequence[Endpoint] | None = request.plugin_state.pop(_SCREENED, None)
+        if screened is None:
+            return self._screened(request, self._candidates(subset))
+        if not screened:
+            raise ServiceUnavailable("screeners eliminated all endpoint candidates")
+        return screened
+
+    def _screened(self, request: LLMRequest,
+                  candidates: Sequence[Endpoint]) -> Sequence[Endpoint]:
+        """llm-d's runScreeners: the candidates every screener kept (each sees all of
+        them), in their order; 503 when none is left."""
+        if not self.screeners:
+            return candidates
+        kept = candidates
+        for screener in self.screeners:
+            allowed = {e.key for e in screener.screen(request, tuple(candidates))}
+            kept = tuple(e for e in kept if e.key in allowed)
+        if not kept:
+            raise ServiceUnavailable("screeners eliminated all endpoint candidates")
+        return kept
+
     async def _prepare_data(self, request: LLMRequest, candidates: Sequence[Endpoint]) -> None:
         plugin: PrepareDataPlugin | None = None
+        budget = self._prepare_budget
         try:
-            async with asyncio.timeout(PREPARE_DATA_TIMEOUT_S):
+            async with asyncio.timeout(budget):
                 for plugin in self.prepare_data:
                     await plugin.prepare_request_data(request, candidates)
         except TimeoutError:
             log.warning("prepare data plugins timed out after %gs (at %s)",
-                        PREPARE_DATA_TIMEOUT_S, plugin.name if plugin else "?",
+                        budget, plugin.name if plugin else "?",
                         extra={"request_id": request.request_id})
         except Exception:
             log.exception("PrepareData plugin %s failed", plugin.name if plugin else "?")
@@ -398,7 +463,12 @@ class SchedulingCore:
         if placement.response_headers:
             response_headers.update(placement.response_headers)
         ticket = _Ticket(request, placement.endpoint_key, time.monotonic(), observer)
-        return Decision(result.destination(), set_headers, response_headers, ticket)
+        scores = None
+        if self.emit_endpoint_scores:  # llm-d's Director.prepareRequest: ScoredCandidates
+            primary = result.primary
+            scores = ({s.endpoint.key: s.score for s in primary.candidates}
+                      if primary.candidates else dict(primary.scores)) or None
+        return Decision(result.destination(), set_headers, response_headers, ticket, scores)
 
     def complete(self, ticket: Any, status: int, aborted: bool, usage: Usage | None,
                  response: ResponseStats | None = None) -> None:
@@ -427,7 +497,7 @@ class SchedulingCore:
 
     def reject(self, incoming: str, target: str, status: int) -> None:
         """Count a request rejected before scheduling (bad body, body too large, …)."""
-        self.metrics.request_error_total.labels(incoming, target, gie_error_code(status)).inc()
+        self.metrics.record_request_error(incoming, target, None, 0, gie_error_code(status))
 
     def upstream_failed(self, address: str) -> None:
         """Envoy could not connect to the endpoint ``address`` (``ip:port``) it was sent
@@ -498,6 +568,13 @@ class RequestContext:
     sse: bool = False  # the response is a server-sent event stream
     resp_bytes: int = 0
     body_ended: bool = False
+    # llm-d's response-path series (Director.metrics set): the ITL series of a streamed
+    # response (None otherwise), time.perf_counter() of its last non-empty chunk and of
+    # the response headers, and the EPP's own time on the response so far.
+    itl: Any = None
+    last_chunk_at: float = 0.0
+    resp_at: float = 0.0
+    resp_proc: float = 0.0
 
 
 class Director:
@@ -524,6 +601,10 @@ class Director:
                 "(docs/plugins.md, \"Parsers\"); use openai-parser, passthrough-parser, "
                 "vllmgrpc-parser or vllmhttp-parser")
         self.parser: Parser = parser if parser is not None else OpenAIParser()
+        # llm-d's request/response processing and inter-token latency series: recorded
+        # with an in-process core (a --workers front has no metrics of its own).
+        self.metrics: EppMetrics | None = (core.metrics if isinstance(core, SchedulingCore)
+                                           else None)
 
     async def route(
         self,
@@ -534,26 +615,33 @@ class Director:
     ) -> Routing:
         # Everything that can fail on the client's input happens before the core counts
         # the request as running: a decided request is always handed back (on_done).
-        new_body = None
+        t0 = time.perf_counter()
         try:
-            request, parsed = build_request(headers, body, has_body, self.parser)
-            if self.objectives is not None:
-                apply_objectives(request, parsed, self.objectives)
-            if parsed is not None and parsed.data is not None \
-                    and request.target_model != request.incoming_model:
-                new_body = rewrite_model(parsed.data, request.target_model)
-        except EppError as e:
-            self.core.reject("", "", e.status)
-            raise
-        # GIE's request size: the body as sent upstream (after a model rewrite).
-        request.request_size_bytes = len(body) if new_body is None else len(new_body)
-        decision = await self.core.decide(request, subset)
-        ctx = RequestContext(request, decision.ticket, decision.response_headers,
-                             routed_at=time.monotonic())
-        if new_body is not None and request.incoming_model:
-            ctx.model_back = _model_patterns(request.target_model, request.incoming_model)
-        return Routing(destination=decision.destination, set_headers=decision.set_headers,
-                       body=new_body, context=ctx)
+            new_body = None
+            try:
+                request, parsed = build_request(headers, body, has_body, self.parser)
+                if self.objectives is not None:
+                    apply_objectives(request, parsed, self.objectives)
+                if parsed is not None and parsed.data is not None \
+                        and request.target_model != request.incoming_model:
+                    new_body = rewrite_model(parsed.data, request.target_model)
+            except EppError as e:
+                self.core.reject("", "", e.status)
+                raise
+            # GIE's request size: the body as sent upstream (after a model rewrite).
+            request.request_size_bytes = len(body) if new_body is None else len(new_body)
+            decision = await self.core.decide(request, subset)
+            ctx = RequestContext(request, decision.ticket, decision.response_headers,
+                                 routed_at=time.monotonic())
+            if new_body is not None and request.incoming_model:
+                ctx.model_back = _model_patterns(request.target_model, request.incoming_model)
+            return Routing(destination=decision.destination, set_headers=decision.set_headers,
+                           body=new_body, context=ctx, scores=decision.scores)
+        finally:
+            # llm-d's RecordRequestProcessingLatency: once per request, its failures
+            # (a bad body, an admission refusal, flow control's wait) included.
+            if self.metrics is not None:
+                self.metrics.record_request_processing(time.perf_counter() - t0)
 
     def on_rejected(self, headers: Mapping[str, str], status: int) -> None:
         """The wire layer rejected the request itself (e.g. 413 before parsing)."""
@@ -564,14 +652,31 @@ class Director:
     def on_response_headers(self, context: Any, status: int,
                             headers: Mapping[str, str]) -> Mapping[str, str] | None:
         ctx: RequestContext = context
+        t0 = time.perf_counter()
         ctx.status = status
         ctype = headers.get(keys.HEADER_CONTENT_TYPE, "")
         ctx.sse = ctype.startswith(keys.CONTENT_TYPE_SSE)
         ctx.usage = self.parser.response_parser(ctx.request, headers)
+        m = self.metrics
+        if m is not None:
+            # llm-d's modelServerStreaming: the request asked for a stream, or the
+            # response is SSE; its chunks' gaps are the inter-token latencies.
+            if ctx.sse or ctx.request.stream:
+                ctx.itl = m.inter_token_latency_child(ctx.request)
+            ctx.resp_at = t0
+            ctx.resp_proc = time.perf_counter() - t0
         return ctx.response_headers or None
 
     def on_response_body(self, context: Any, chunk: bytes, end_of_stream: bool) -> bytes | None:
         ctx: RequestContext = context
+        itl = ctx.itl
+        t0 = 0.0
+        if itl is not None:  # a streamed response, metrics on (on_response_headers)
+            t0 = time.perf_counter()
+            if chunk:
+                if ctx.last_chunk_at:
+                    itl.observe(t0 - ctx.last_chunk_at)  # llm-d's RecordInterTokenLatency
+                ctx.last_chunk_at = t0
         if ctx.usage is not None:
             ctx.usage.feed(chunk)
         if chunk:
@@ -581,17 +686,21 @@ class Director:
             ctx.last = chunk
         if end_of_stream:
             ctx.body_ended = True
+        out = None
         if ctx.model_back is not None and chunk:
             a, b, c, d = ctx.model_back
             if a in chunk or c in chunk:
-                return chunk.replace(a, b).replace(c, d)
-        return None
+                out = chunk.replace(a, b).replace(c, d)
+        if itl is not None:
+            ctx.resp_proc += time.perf_counter() - t0
+        return out
 
     def on_upstream_failure(self, context: Any, address: str) -> None:
         self.core.upstream_failed(address)
 
     def on_done(self, context: Any, aborted: bool) -> bool:
         ctx: RequestContext = context
+        t0 = time.perf_counter()
         usage = None
         if 200 <= ctx.status < 300 and ctx.usage is not None:
             usage = ctx.usage.finish()
@@ -604,7 +713,25 @@ class Director:
             response = _response_stats(ctx, usage)
         self.core.complete(ctx.ticket, ctx.status, aborted, None if aborted else usage,
                            response)
+        if ctx.resp_at and self.metrics is not None:
+            self._record_response_processing(self.metrics, ctx, aborted, t0)
         return aborted
+
+    @staticmethod
+    def _record_response_processing(m: EppMetrics, ctx: RequestContext, aborted: bool,
+                                    done_at: float) -> None:
+        """llm-d's RecordResponseProcessingLatency, once per request that reached the
+        response phase: a streamed response's (or one whose body the EPP did not see)
+        per-message handling times, this last one included; a complete non-streamed
+        one's interval from its response headers to now (an aborted one: the handling
+        of its headers)."""
+        now = time.perf_counter()
+        if ctx.itl is not None or not ctx.body_ended:
+            spent = ctx.resp_proc + (0.0 if aborted else now - done_at)
+        else:
+            spent = ctx.resp_proc if aborted else now - ctx.resp_at
+        if spent > 0:
+            m.record_response_processing(spent)
 
 
 def _response_stats(ctx: RequestContext, usage: Usage | None) -> ResponseStats:

@@ -120,7 +120,8 @@ class SchedulerProfile:
         timer("Picker", self.picker, time.perf_counter() - t0)
         if observer is not None:
             observer.picked(name, self.picker, scored, result)
-        return result
+        # llm-d's ScoredCandidates: every scored candidate, not only the picked ones.
+        return ProfileRunResult(result.endpoints, result.scores, tuple(scored))
 
     @staticmethod
     def _scores(scorer: Scorer, state: CycleState, request: LLMRequest,

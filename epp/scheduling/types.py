@@ -93,6 +93,7 @@ class Endpoint:
     node_name: str | None = None
     node_labels: Mapping[str, str] = field(default_factory=lambda: _EMPTY)
     metrics: Metrics = NO_METRICS
+    node_address: str | None = None  # the node's IP (pod.status.hostIP; llm-d's NodeAddress)
     key: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -107,6 +108,7 @@ class Endpoint:
             and dict(self.labels) == dict(other.labels)
             and self.node_name == other.node_name
             and dict(self.node_labels) == dict(other.node_labels)
+            and self.node_address == other.node_address
         )
 
 
@@ -159,6 +161,9 @@ class ProfileRunResult:
 
     endpoints: tuple[Endpoint, ...]
     scores: Mapping[str, float] = field(default_factory=dict)  # endpoint key -> total weighted score
+    # Every candidate the profile scored with its weighted total, picked or not (llm-d's
+    # ScoredCandidates; set by SchedulerProfile.run): --emit-endpoint-scores.
+    candidates: tuple[ScoredEndpoint, ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True, slots=True)

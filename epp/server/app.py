@@ -2,7 +2,8 @@
 
 :meth:`EppServer.start`:
 
-1. validate the options (epp/server/options.py) and build the config (fail fast);
+1. build the config and validate the options (epp/server/options.py; the config's
+   ``dataLayer.discovery`` plugin, when set, is the endpoint source) — fail fast;
 2. wire the object graph (epp/server/wiring.py: no port, no task, no file);
 3. start, through one :class:`contextlib.AsyncExitStack`, each resource followed at once
    by its cleanup: tracing; the endpoint source's fallible part (connect to Kubernetes,
@@ -25,6 +26,7 @@ serving for the drain window), then :meth:`EppServer.stop`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -43,7 +45,9 @@ from epp.discovery.kubeclient import KubeApi, connect
 from epp.discovery.kubernetes import KubernetesSource
 from epp.errors import ConfigError
 from epp.framework.interfaces import BackgroundPlugin
+from epp.framework.registry import check_plugin_stability
 from epp.observability.tracing import Tracing
+from epp.scheduling.plugins.catalog import default_registry
 from epp.server.drain import TrackedExtProc
 from epp.server.leader import LeaderElector
 from epp.server.listeners import (
@@ -54,15 +58,18 @@ from epp.server.listeners import (
     grpc_server,
     host_port,
 )
+from epp.server.llmd_flags import check_cipher_suites_applied, watch_metrics_cert
 from epp.server.metrics_auth import BearerToken, KubernetesAuth, MetricsAuth
 from epp.server.metrics_http import metrics_app, serve_metrics
 from epp.server.options import (
     DEFAULT_MAX_BODY,
+    ConfigDiscovery,
     KubernetesDiscovery,
     ServeOptions,
     ServePlan,
     validate,
 )
+from epp.server.stream_metrics import StreamMetricsExtProc
 from epp.server.tls import server_credentials
 from epp.server.wiring import PluginTimings, ServerParts, wire
 from epp.server.workers import CoreServer, FrontPool, FrontProcesses, check_port_free, front_argv
@@ -122,13 +129,21 @@ class EppServer:
 
     # -- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
-        plan = validate(self.options)
-        o = plan.options
-        for note in plan.notes:
-            log.warning("%s", note)
+        o = self.options
         timings = PluginTimings()
         built = load_and_build(o.config.file, o.config.text, timer=timings, strict=o.config.strict,
                                environ=os.environ)
+        # llm-d's ValidatePluginStability, for llm-d documents (apiVersion llm-d.ai/v1alpha1):
+        # an Alpha plugin needs --allow-experimental-plugins (docs/configuration.md).
+        if built.config.llmd_document:
+            check_plugin_stability(built.plugins, default_registry(),
+                                   o.config.allow_experimental_plugins)
+        # The config's dataLayer.discovery plugin (llm-d), when set, is the endpoint source.
+        plan = validate(o, built.discovery.name if built.discovery is not None else None)
+        if plan.tls_cipher_list is not None:  # gRPC read GRPC_SSL_CIPHER_SUITES at import
+            check_cipher_suites_applied(o.tls.tls_cipher_suites)
+        for note in plan.notes:
+            log.warning("%s", note)
         async with AsyncExitStack() as stack:
             tracing = _start_tracing(plan)
             if tracing is not None:
@@ -150,8 +165,11 @@ class EppServer:
                 parts.objectives_file.load_initial()  # a bad file fails startup
             if plan.metrics_auth_token is not None:
                 auth = BearerToken(plan.metrics_auth_token)
-            # k8s-notification-source watches (a ConfigError without Kubernetes discovery).
-            notifications = NotificationWatches(built.data_layer, k8s_source)
+            # k8s-notification-source watches (a ConfigError without Kubernetes discovery;
+            # in llm-d's file-discovery mode inactive, as there: logged by wire()).
+            notifications = NotificationWatches(
+                None if isinstance(plan.source, ConfigDiscovery) else built.data_layer,
+                k8s_source)
             # Flow control (the flowControl feature gate) before the ext_proc port, so its
             # stop comes after the port's: requests still queued then end EvictedOther.
             if parts.flow_control is not None:
@@ -229,8 +247,14 @@ class EppServer:
                              auth: MetricsAuth | None) -> None:
         listen = parts.plan.options.listen
         app = metrics_app(parts.metrics.registry, parts.decisions, auth=auth)
-        runner = await serve_metrics(app, listen.metrics_address, listen.metrics_port)
+        mtls = parts.plan.metrics_tls  # llm-d's --metrics-cert-dir/--metrics-client-ca-file
+        ctx = None if mtls is None else mtls.context()
+        runner = await serve_metrics(app, listen.metrics_address, listen.metrics_port,
+                                     ssl_context=ctx)
         stack.push_async_callback(runner.cleanup)
+        if mtls is not None and ctx is not None:
+            watcher = asyncio.ensure_future(watch_metrics_cert(mtls, ctx))
+            stack.push_async_callback(_cancelled, watcher)
 
     async def _serve_health(self, stack: AsyncExitStack, parts: ServerParts) -> None:
         listen = parts.plan.options.listen
@@ -249,8 +273,15 @@ class EppServer:
         # limit would fail the stream: RESOURCE_EXHAUSTED, an empty 500 from Envoy). What
         # bounds a message is Envoy's buffer (per_connection_buffer_limit_bytes); the
         # ext_proc port should be reachable by the gateway only (--grpc-bind-address).
-        server = grpc_server(-1)
-        pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
+        # llm-d's --grpc-max-recv-msg-size/--grpc-max-send-msg-size, when given, bound
+        # them as there (a larger message fails the stream with RESOURCE_EXHAUSTED).
+        plan = parts.plan
+        server = grpc_server(plan.grpc_max_recv_msg_size or -1,
+                             max_send=plan.grpc_max_send_msg_size or -1)
+        ext_proc: object = servicer
+        if o.grpc.enable_stream_metrics:  # llm-d's --enable-grpc-stream-metrics
+            ext_proc = StreamMetricsExtProc(servicer, parts.metrics.grpc_stream_metrics())
+        pb_grpc.add_ExternalProcessorServicer_to_server(ext_proc, server)
         health_pb2_grpc.add_HealthServicer_to_server(parts.health.servicer, server)
         credentials: grpc.ServerCredentials | None = None
         if parts.plan.secure_serving:
@@ -344,6 +375,12 @@ def _start_tracing(plan: ServePlan) -> Tracing | None:
         log.warning("tracing is on by default (as GIE's) but cannot start, so this EPP "
                     "runs without it (--tracing=false says so explicitly): %s", e)
         return None
+
+
+async def _cancelled(task: asyncio.Future[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 def _once(step: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:

@@ -26,13 +26,14 @@ def host_port(address: str, port: int) -> str:
     return f"{address}:{port}"
 
 
-def grpc_server(max_message: int) -> grpc.aio.Server:
-    """A grpc.aio server; ``max_message`` bounds messages both ways (-1: no bound)."""
+def grpc_server(max_message: int, max_send: int | None = None) -> grpc.aio.Server:
+    """A grpc.aio server; ``max_message`` bounds messages both ways (-1: no bound), or
+    received ones only when ``max_send`` is given."""
     return grpc.aio.server(options=[
         # Without this a second process could bind the same port silently.
         ("grpc.so_reuseport", 0),
         ("grpc.max_receive_message_length", max_message),
-        ("grpc.max_send_message_length", max_message),
+        ("grpc.max_send_message_length", max_message if max_send is None else max_send),
         # Accept Envoy's HTTP/2 keepalive PINGs (the shipped Envoy config sends them so
         # a hung EPP fails requests instead of hanging full-duplex streams forever).
         ("grpc.keepalive_permit_without_calls", 1),

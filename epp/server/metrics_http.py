@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ssl
+
 import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -44,12 +46,14 @@ def metrics_app(registry: CollectorRegistry, decisions: DecisionLog | None,
     return app
 
 
-async def serve_metrics(app: web.Application, address: str, port: int) -> web.AppRunner:
-    """Listen on ``address:port``; the caller cleans the returned runner up.
+async def serve_metrics(app: web.Application, address: str, port: int,
+                        ssl_context: ssl.SSLContext | None = None) -> web.AppRunner:
+    """Listen on ``address:port`` (over TLS with ``ssl_context``: llm-d's
+    ``--metrics-cert-dir``); the caller cleans the returned runner up.
     :class:`StartupError` when the port cannot be bound."""
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, address, port)
+    site = web.TCPSite(runner, address, port, ssl_context=ssl_context)
     try:
         await site.start()
     except OSError as e:

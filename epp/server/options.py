@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 from epp import keys
 from epp.datalayer.engines import EngineMappings, MappingOverrides
@@ -39,6 +39,13 @@ from epp.handlers.extproc import DEFAULT_MAX_HEADERS
 from epp.scheduling.types import Endpoint
 from epp.server.drain import DEFAULT_DRAIN_TIMEOUT_S
 from epp.server.leader import LeaderElectionOptions, default_identity, lease_name
+from epp.server.llmd_flags import (
+    MetricsTls,
+    check_tls_min_version,
+    cipher_suite_list,
+    metrics_tls,
+    parse_message_size,
+)
 
 DEFAULT_MAX_BODY = 64 << 20
 
@@ -93,6 +100,9 @@ class ConfigOptions:
     file: str | None = None
     text: str | None = None
     strict: bool = False  # --strict-config: an unknown plugin parameter fails startup
+    # llm-d's --allow-experimental-plugins: without it a plugin of an Alpha type (llm-d's
+    # StabilityAlpha, epp.framework.registry.LLMD_ALPHA_TYPES) fails startup.
+    allow_experimental_plugins: bool = False
 
 
 @dataclass(frozen=True)
@@ -136,6 +146,10 @@ class TlsOptions:
     secure_serving: bool | None = None  # None: DEFAULT_SECURE_SERVING
     cert_path: str | None = None  # tls.crt and tls.key; None: self-signed
     enable_cert_reload: bool = False  # re-read cert_path's pair when it changes
+    # llm-d's --tls-min-version (Go names; grpcio serves VersionTLS12 only, see
+    # epp/server/llmd_flags.py) and --tls-cipher-suites (Go names, TLS 1.2 suites).
+    tls_min_version: str | None = None
+    tls_cipher_suites: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -170,6 +184,10 @@ class ObservabilityOptions:
     tracing: bool | None = None  # None: DEFAULT_TRACING (off if OpenTelemetry is missing)
     log_level: str = "info"  # the --workers fronts log at this level too
     log_format: str = "text"  # and in this format
+    # llm-d's --metrics-cert-dir (TLS on the metrics port: tls.crt, tls.key) and
+    # --metrics-client-ca-file (with it, a verified client certificate is required).
+    metrics_cert_dir: str | None = None
+    metrics_client_ca_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -186,6 +204,18 @@ class RoutingOptions:
     # GIE's --disable-endpoint-subset-filter: ignore Envoy's subset hint
     # (envoy.lb.subset_hint / x-gateway-destination-endpoint-subset), pick from the pool.
     disable_endpoint_subset_filter: bool = False
+    # llm-d's --emit-endpoint-scores: the primary profile's weighted score of every
+    # candidate in the request-path metadata (envoy.lb, x-gateway-destination-endpoint-scores).
+    emit_endpoint_scores: bool = False
+
+
+@dataclass(frozen=True)
+class GrpcOptions:
+    """llm-d's ext_proc gRPC server flags (pkg/epp/server/options.go, runserver.go)."""
+
+    max_recv_msg_size: str | None = None  # a Kubernetes quantity (10MiB, 25MB); None: unset
+    max_send_msg_size: str | None = None
+    enable_stream_metrics: bool = False  # --enable-grpc-stream-metrics
 
 
 @dataclass(frozen=True)
@@ -237,6 +267,7 @@ class ServeOptions:
     workers: WorkerOptions = field(default_factory=WorkerOptions)
     drain: DrainOptions = field(default_factory=DrainOptions)
     routing: RoutingOptions = field(default_factory=RoutingOptions)
+    grpc: GrpcOptions = field(default_factory=GrpcOptions)
     gie_only: GieOnlyOptions = field(default_factory=GieOnlyOptions)
 
 
@@ -267,7 +298,20 @@ class KubernetesDiscovery:
     election: LeaderElectionOptions | None
 
 
-EndpointSource = StaticEndpoints | EndpointsFile | KubernetesDiscovery
+@dataclass(frozen=True)
+class ConfigDiscovery:
+    """llm-d-router's ``dataLayer.discovery.pluginRef``: the config's discovery plugin
+    (``file-discovery``, ``multicluster-file-discovery``) is the endpoint source; no
+    Kubernetes. ``--pool-name``/``--pool-namespace`` only name the pool (metrics labels),
+    default ``epp`` and ``$NAMESPACE`` or ``default``, as llm-d's file-discovery mode."""
+
+    plugin_ref: str
+    pool_name: str
+    pool_namespace: str
+    poll_interval_s: float
+
+
+EndpointSource = StaticEndpoints | EndpointsFile | KubernetesDiscovery | ConfigDiscovery
 
 
 @dataclass(frozen=True)
@@ -296,11 +340,20 @@ class ServePlan:
     tracing: TracingMode = "off"
     notes: tuple[str, ...] = ()  # logged at startup: flags accepted that change nothing
     objectives_file: ObjectivesFile | None = None  # --objectives-file
+    # llm-d's ext_proc gRPC limits in bytes (0: not set; then no limit, see
+    # docs/configuration.md), the TLS 1.2 cipher list for gRPC (--tls-cipher-suites) and
+    # TLS on the metrics port.
+    grpc_max_recv_msg_size: int = 0
+    grpc_max_send_msg_size: int = 0
+    tls_cipher_list: str | None = None
+    metrics_tls: MetricsTls | None = None
 
 
-def validate(options: ServeOptions) -> ServePlan:
+def validate(options: ServeOptions, discovery: str | None = None) -> ServePlan:
     """Check every option and resolve them into a :class:`ServePlan`.
 
+    ``discovery``: the name of the config's ``dataLayer.discovery`` plugin, when it has
+    one (then that plugin is the endpoint source; the built config knows it).
     Raises :class:`~epp.errors.ConfigError` on the first problem. Reads the
     ``--metrics-endpoint-auth`` token file and ``$NAMESPACE``; connects nowhere.
     """
@@ -315,9 +368,13 @@ def validate(options: ServeOptions) -> ServePlan:
                         ("--drain-quiet-period", o.drain.quiet_period_s)):
         if value < 0:
             raise ConfigError(f"{flag} must be >= 0")
-    source = _endpoint_source(o)
+    source = _endpoint_source(o, discovery)
     kube = isinstance(source, KubernetesDiscovery)
     notes: list[str] = []
+    if (isinstance(source, ConfigDiscovery) and o.kubernetes.pool_namespace is None
+            and not os.environ.get(keys.ENV_NAMESPACE)):
+        notes.append("file-discovery mode: pool namespace defaulted to default; pass "
+                     "--pool-namespace to label metrics and logs for your environment")
     token, kube_auth = _metrics_auth(o.observability.metrics_auth, kube, notes)
     if o.scraping.enabled:
         o.scraping.scrape.validate()
@@ -333,10 +390,39 @@ def validate(options: ServeOptions) -> ServePlan:
     else:
         tracing = "on" if o.observability.tracing else "off"
     notes += _gie_only_notes(o.gie_only)
-    return ServePlan(options=o, source=source, workers=o.workers.count or os.cpu_count() or 1,
+    workers = o.workers.count or os.cpu_count() or 1
+    llmd = _llmd_serving(o, secure, workers, notes)
+    return ServePlan(options=o, source=source, workers=workers,
                      metrics_auth_token=token, metrics_auth_kubernetes=kube_auth,
                      secure_serving=secure, tracing=tracing, notes=tuple(notes),
-                     objectives_file=_objectives_file(o.objectives, source))
+                     objectives_file=_objectives_file(o.objectives, source), **llmd)
+
+
+def _llmd_serving(o: ServeOptions, secure: bool, workers: int,
+                  notes: list[str]) -> dict[str, Any]:
+    """llm-d-router v0.10.0's serving flags, checked in the order of its Complete and
+    Validate (epp/server/llmd_flags.py); the ServePlan fields they resolve to."""
+    recv = parse_message_size("grpc-max-recv-msg-size", o.grpc.max_recv_msg_size)
+    send = parse_message_size("grpc-max-send-msg-size", o.grpc.max_send_msg_size)
+    obs = o.observability
+    auth_off = obs.metrics_auth is not None and obs.metrics_auth.strip().lower() in _FALSE
+    mtls = metrics_tls(obs.metrics_cert_dir, obs.metrics_client_ca_file, auth_off)
+    check_tls_min_version(o.tls.tls_min_version, honour=secure)
+    ciphers = cipher_suite_list(o.tls.tls_cipher_suites, honour=secure)
+    if not secure and (o.tls.tls_min_version or o.tls.tls_cipher_suites):
+        notes.append("--tls-min-version/--tls-cipher-suites: accepted, no effect: they "
+                     "apply to --secure-serving's TLS, which is off")
+    if workers > 1:  # the front processes serve ext_proc (epp/server/workers.py)
+        for flag, given in (("--grpc-max-recv-msg-size", recv),
+                            ("--grpc-max-send-msg-size", send),
+                            ("--emit-endpoint-scores", o.routing.emit_endpoint_scores),
+                            ("--enable-grpc-stream-metrics", o.grpc.enable_stream_metrics)):
+            if given:
+                raise ConfigError(f"{flag} is not supported with --workers {workers}: the "
+                                  "ext_proc front processes do not apply it yet; run "
+                                  "--workers 1 (everything in one process)")
+    return {"grpc_max_recv_msg_size": recv, "grpc_max_send_msg_size": send,
+            "tls_cipher_list": ciphers if secure else None, "metrics_tls": mtls}
 
 
 def _objectives_file(o: ObjectivesOptions, source: EndpointSource) -> ObjectivesFile | None:
@@ -429,14 +515,17 @@ def _metrics_auth_token(flag: str) -> str:
     return token
 
 
-def _endpoint_source(o: ServeOptions) -> EndpointSource:
+def _endpoint_source(o: ServeOptions, discovery: str | None = None) -> EndpointSource:
+    if discovery is not None:
+        return _config_discovery(o, discovery)
     kube = _kubernetes_options(o.kubernetes)
     static = o.static
     if sum(x is not None for x in (static.endpoints, static.endpoints_file, kube)) != 1:
         raise ConfigError("give exactly one endpoint source: --endpoints ip:port[,…], "
-                          "--endpoints-file FILE, --pool-name NAME (an InferencePool), or "
+                          "--endpoints-file FILE, --pool-name NAME (an InferencePool), "
                           "--endpoint-selector k=v[,…] with --endpoint-target-ports "
-                          "PORT[,…] (pods without the CRD)")
+                          "PORT[,…] (pods without the CRD), or a discovery plugin in the "
+                          "config (dataLayer.discovery.pluginRef: file-discovery)")
     if o.ha.enable_leader_election and kube is None:
         raise ConfigError("--ha-enable-leader-election needs a Kubernetes endpoint "
                           "source (--pool-name or --endpoint-selector)")
@@ -447,6 +536,27 @@ def _endpoint_source(o: ServeOptions) -> EndpointSource:
     assert kube is not None  # exactly one source, checked above
     return KubernetesDiscovery(kube, o.kubernetes.kubeconfig,
                                _election(o.ha, kube, o.kubernetes.pool_name))
+
+
+def _config_discovery(o: ServeOptions, plugin_ref: str) -> ConfigDiscovery:
+    """The config's discovery plugin is the source: the other sources' flags conflict."""
+    k, static = o.kubernetes, o.static
+    for flag, value in (("--endpoints", static.endpoints),
+                        ("--endpoints-file", static.endpoints_file),
+                        ("--endpoint-selector", k.endpoint_selector),
+                        ("--endpoint-target-ports", k.endpoint_target_ports),
+                        ("--kubeconfig", k.kubeconfig)):
+        if value is not None:
+            raise ConfigError(f"{flag} cannot be used with the config's discovery plugin "
+                              f"(dataLayer.discovery.pluginRef: {plugin_ref}), which is the "
+                              "endpoint source: remove one of the two")
+    if o.ha.enable_leader_election:
+        raise ConfigError("--ha-enable-leader-election needs a Kubernetes endpoint source; "
+                          f"the config's discovery plugin ({plugin_ref}) runs without one")
+    if k.pool_name == "":
+        raise ConfigError("--pool-name: empty name")
+    return ConfigDiscovery(plugin_ref, k.pool_name or "epp", resolve_namespace(k.pool_namespace),
+                           static.poll_interval_s)
 
 
 def _kubernetes_options(k: KubernetesSourceOptions) -> KubernetesOptions | None:

@@ -16,6 +16,7 @@ bodies; the server names no plugin type.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -31,6 +32,7 @@ from epp.datastore.store import Datastore, RemovalListener
 from epp.discovery.objectives_file import ObjectivesFileSource
 from epp.discovery.static import StaticFileSource
 from epp.flowcontrol import FlowController, detector_saturation
+from epp.flowcontrol.eviction import RequestEvictor, enable_eviction
 from epp.framework.interfaces import (
     AdmissionPlugin,
     EndpointRemoved,
@@ -39,7 +41,9 @@ from epp.framework.interfaces import (
     PluginTimer,
     PrefixIndexOwner,
     PrepareDataPlugin,
+    RequestHeaderProcessor,
     ResponseMeasured,
+    Screener,
     no_timer,
 )
 from epp.handlers.extproc import ExtProcServicer
@@ -51,9 +55,17 @@ from epp.scheduling.plugins.reporter import response_metadata
 from epp.scheduling.types import Endpoint, LLMRequest, Metrics
 from epp.server.drain import StreamTracker, TrackedExtProc
 from epp.server.health import HealthReporter
-from epp.server.options import EndpointsFile, KubernetesDiscovery, ServePlan, StaticEndpoints
+from epp.server.options import (
+    ConfigDiscovery,
+    EndpointsFile,
+    KubernetesDiscovery,
+    ServePlan,
+    StaticEndpoints,
+)
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 
 class PluginTimings:
@@ -126,6 +138,9 @@ def wire(plan: ServePlan, built: BuiltConfig, timings: PluginTimings,
     o = plan.options
     store = Datastore() if built.flow_control is None else NotifyingDatastore()
     metrics = EppMetrics(store, pool_label(plan))
+    # llm-d series' plugin labels, and the plugins that record llm-d series (bind_metrics;
+    # the saturation detector may be the loader's default, outside the plugins).
+    metrics.bind_plugins([*built.plugins.values(), *_present(built.saturation_detector)])
     # Admission (SchedulingCore.admit): the config's saturation detector over the
     # routable endpoints (the subset hint's, per request) feeds GIE's legacy rule, or,
     # under the flowControl gate, the flow controller's dispatch.
@@ -141,6 +156,15 @@ def wire(plan: ServePlan, built: BuiltConfig, timings: PluginTimings,
         # dropped (and the pool saturation gauge follows it).
         assert isinstance(store, NotifyingDatastore)
         store.on_change = flow_control.notify
+    # llm-d's flowControl.enableEviction: sheddable in-flight requests evicted for blocked
+    # higher bands (a PreRequest/ResponseComplete tracker + the streams' eviction signal).
+    evictor = (enable_eviction(flow_control, getattr(built.saturation_detector, "type_name",
+                                                     None),
+                               o.scraping.scrape.interval_s,
+                               o.scraping.scrape.staleness_threshold_s, plan.workers,
+                               metrics=metrics.eviction_metrics())
+               if flow_control is not None and flow_control.config.enable_eviction else None)
+    evicting: tuple[RequestEvictor, ...] = (evictor,) if evictor is not None else ()
     health = HealthReporter(leader_election=isinstance(plan.source, KubernetesDiscovery)
                             and plan.source.election is not None)
     health.require(lambda: store.synced)
@@ -149,6 +173,17 @@ def wire(plan: ServePlan, built: BuiltConfig, timings: PluginTimings,
         store.set_endpoints(plan.source.endpoints)
     elif isinstance(plan.source, EndpointsFile):
         endpoints_file = StaticFileSource(plan.source.path, store, plan.source.poll_interval_s)
+    elif isinstance(plan.source, ConfigDiscovery) and built.discovery is not None:
+        # llm-d's file-discovery mode: the plugin feeds the datastore through the same
+        # file source as --endpoints-file, with its own reader (epp/discovery/llmd_file.py).
+        endpoints_file = built.discovery.endpoint_source(store, plan.source.poll_interval_s)
+        log.info("EPP starting (file discovery mode): pool %s, namespace %s, discovery "
+                 "plugin %s (%s)", plan.source.pool_name, plan.source.pool_namespace,
+                 built.discovery.name, built.discovery.type_name)
+        log.info("file-discovery mode: Kubernetes-only features are inactive "
+                 "(InferenceModelRewrite, InferenceObjective reconciler, and any "
+                 "k8s-notification-source data layer plugins); --objectives-file gives "
+                 "objectives and rewrites without Kubernetes")
     for plugin in built.endpoint_removed:
         store.on_removed(_forget_removed(plugin))
     objectives = ObjectiveStore()
@@ -168,15 +203,18 @@ def wire(plan: ServePlan, built: BuiltConfig, timings: PluginTimings,
             metrics.registry.register(collector())
     core_type = (SubsetIgnoringCore if o.routing.disable_endpoint_subset_filter
                  else SchedulingCore)
-    core = core_type(store, built.scheduler, metrics, built.pre_request,
-                          built.response_complete, built.request_headers,
+    core = core_type(store, built.scheduler, metrics, (*built.pre_request, *evicting),
+                          (*built.response_complete, *evicting), built.request_headers,
                           built.response_headers,
                           explain_header=o.observability.enable_explain_header,
                           decisions=decisions, tracing=tracing, objectives=objectives,
                           prepare_data=_of(built, PrepareDataPlugin),
                           admission=_of(built, AdmissionPlugin),
                           response_measured=_of(built, ResponseMeasured),
-                          flow_control=flow_control, saturation=saturation)
+                          flow_control=flow_control, saturation=saturation,
+                          request_header_processors=_of(built, RequestHeaderProcessor),
+                          screeners=_of(built, Screener))
+    core.emit_endpoint_scores = o.routing.emit_endpoint_scores  # llm-d's flag
     timings.connect(metrics.observe_plugin if tracing is None
                     else _fan_out(metrics.observe_plugin, core.plugin_timer))
     director = Director(core, built.parser_plugin)
@@ -186,9 +224,10 @@ def wire(plan: ServePlan, built: BuiltConfig, timings: PluginTimings,
                                 o.scraping.metric_overrides)
     attach_sources(built.data_layer, store)  # endpoint-notification-source extractors
     polled = polling_sources(built.data_layer)  # dcgm-data-source
-    pollers = (PollingRunner(store, polled, o.scraping.scrape.interval_s) if polled else None)
+    pollers = (PollingRunner(store, polled, o.scraping.scrape.interval_s, metrics=metrics)
+               if polled else None)
     if scraping is not None:
-        scraper = MetricsScraper(store, *scraping)
+        scraper = MetricsScraper(store, *scraping, metrics=metrics)
         # Envoy's word that a pod refused the connection (response attributes): out of
         # the candidates now, back at the next scrape that gets an answer.
         core.on_upstream_failure = scraper.report_unreachable
@@ -201,7 +240,8 @@ def wire(plan: ServePlan, built: BuiltConfig, timings: PluginTimings,
                             on_stream_end=stream_ended,
                             max_headers=o.limits.max_request_headers,
                             body_consumers=body_consumers(built),
-                            response_metadata=response_metadata(built.response_usage_metadata)),
+                            response_metadata=response_metadata(built.response_usage_metadata),
+                            evictions=evictor),
             tracker)
     return ServerParts(plan=plan, built=built, store=store, metrics=metrics, health=health,
                        decisions=decisions, tracing=tracing, core=core, director=director,
@@ -211,14 +251,21 @@ def wire(plan: ServePlan, built: BuiltConfig, timings: PluginTimings,
                        flow_control=flow_control, pollers=pollers)
 
 
+def _present(plugin: Plugin | None) -> tuple[Plugin, ...]:
+    return (plugin,) if plugin is not None else ()
+
+
 def pool_label(plan: ServePlan) -> str:
     """The ``name`` label of the ``inference_pool_*`` gauges: GIE's ``pool.Name`` — the
     InferencePool's name in pool mode; in standalone mode (``--endpoint-selector``) GIE
     names its endpoint pool after ``--pool-name``, so that when given; otherwise (and for
-    ``--endpoints``/``--endpoints-file``) ``static``."""
+    ``--endpoints``/``--endpoints-file``) ``static``; with the config's discovery plugin
+    (llm-d) ``--pool-name``, else ``epp``."""
     source = plan.source
     if isinstance(source, KubernetesDiscovery):
         return source.options.pool_name or plan.options.kubernetes.pool_name or "static"
+    if isinstance(source, ConfigDiscovery):  # llm-d's file-discovery mode: default "epp"
+        return source.pool_name
     return "static"
 
 

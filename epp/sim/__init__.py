@@ -17,9 +17,11 @@ Modules, bottom up; each imports only modules above it in this list (and ``epp.k
 - :mod:`epp.sim.metrics` — vLLM-named Prometheus metrics.
 - :mod:`epp.sim.state` — one pod's :class:`~epp.sim.state.SimState`; the error type and
   helpers the HTTP modules share.
-- :mod:`epp.sim.sidecar` — P/D: the prefill role's ``kv_transfer_params``, the decode
-  role's remote prefill (llm-d's decode sidecar).
-- :mod:`epp.sim.openai_api` — the OpenAI routes: parsing, generation, JSON and SSE.
+- :mod:`epp.sim.sidecar` — P/D and E/P/D: the prefill role's ``kv_transfer_params``,
+  the encode role's ``ec_transfer_params``, the decode role's remote encode and remote
+  prefill (llm-d's decode sidecar).
+- :mod:`epp.sim.openai_api` — the OpenAI routes (and Anthropic's ``/v1/messages``):
+  parsing, generation, JSON and SSE.
 - :mod:`epp.sim.app` — :func:`~epp.sim.app.build_app`: one pod as an aiohttp app
   (request log, delay, errors, ``/health``, ``/metrics``, ``/debug/*``).
 - :mod:`epp.sim.options` — the ``epp sim`` command line (parser, config, topology).

@@ -14,10 +14,13 @@ Contracts
   joined with ", ") in a deque of the last :data:`~epp.sim.state.DEBUG_LOG_SIZE`;
   ``GET /debug/requests`` returns it oldest first, ``DELETE /debug/requests`` clears it.
   The OpenAI routes add ``fields`` to the record, a decode pod that asked a prefill pod
-  adds ``pd`` (:func:`epp.sim.sidecar.remote_prefill`).
+  adds ``pd`` (:func:`epp.sim.sidecar.remote_prefill`), one that asked encode pods
+  ``encode`` (:func:`epp.sim.sidecar.remote_encode`); a pod that encoded multimodal items
+  adds ``encoded`` (items and model milliseconds).
 - ``delay_s`` delays every POST after it is recorded; a request error (bad body, injected
   failure, engine stopped) becomes an OpenAI error response.
 - ``GET /debug/state`` returns the configuration and the engine's state.
+- ``POST /v1/messages``: Anthropic's Messages API (:func:`epp.sim.openai_api.messages`).
 - ``/metrics``: vLLM metric names (:mod:`epp.sim.metrics`). ``/health``: 200, or 503
   during slow start. ``/v1/models``: the base model and each LoRA adapter.
   ``/tokenize``: vLLM's (:func:`epp.sim.openai_api.tokenize`).
@@ -45,6 +48,7 @@ from epp.sim.openai_api import (
     chat_completions,
     completions,
     embeddings,
+    messages,
     models,
     responses,
     tokenize,
@@ -156,6 +160,7 @@ async def debug_state(request: web.Request) -> web.StreamResponse:
             "engine": state.engine.snapshot(),
             "topology": state.own_topology(local_port(request)),
             "pd": state.pd.as_dict(),
+            "encode": state.encode.as_dict(),
         }
     )
 
@@ -233,6 +238,7 @@ def build_app(
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/v1/responses", responses)
+    app.router.add_post("/v1/messages", messages)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)

@@ -16,6 +16,7 @@ _HASH_ALGOS: Final = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")  # epp.k
 __all__ = [
     "DEFAULT_KV_TRANSFER_BY_LEVEL",
     "DEFAULT_MODEL",
+    "ENCODE_FAILURE_MODES",
     "PREFILL_FAILURE_MODES",
     "ROLES",
     "PrefillFailure",
@@ -26,10 +27,11 @@ __all__ = [
 DEFAULT_MODEL: Final = "sim-model"
 """The base model a simulated pod serves unless told otherwise (``epp sim --model``)."""
 
-Role = Literal["both", "prefill", "decode"]
-ROLES: Final[tuple[Role, ...]] = ("both", "prefill", "decode")
+Role = Literal["both", "prefill", "decode", "encode"]
+ROLES: Final[tuple[Role, ...]] = ("both", "prefill", "decode", "encode")
 PrefillFailure = Literal["fallback", "error"]
 PREFILL_FAILURE_MODES: Final[tuple[PrefillFailure, ...]] = ("fallback", "error")
+ENCODE_FAILURE_MODES: Final[tuple[PrefillFailure, ...]] = ("error", "fallback")
 DEFAULT_KV_TRANSFER_BY_LEVEL: Final[tuple[tuple[str, float], ...]] = (
     ("node", 0.0002),
     ("rack", 0.0005),
@@ -83,6 +85,12 @@ class SimConfig:
     )
     """Decode role: the same cost by the distance to the prefill pod (``node``, ``rack``,
     ``block``, ``zone``, ``other``); a level not listed costs ``kv_transfer_ms_per_token``."""
+    encode_ms_per_image: float = 12.0
+    """Cost of encoding one multimodal item of a chat request (an ``image_url``,
+    ``audio_url``, ``video_url`` or ``input_audio`` part; repeated URLs count once), added
+    to the engine step that admits the request: on an ``encode``-role pod always, on any
+    other pod only when it prefills the request itself and no encode pod did the work
+    (a vision encoder of a 7B VLM on one H100, ~1k-patch image)."""
     # LoRA.
     loras: tuple[str, ...] = ()
     """Adapter names served besides the base model (a request selects one by ``model``)."""
@@ -93,13 +101,21 @@ class SimConfig:
     # Role.
     role: Role = "both"
     """``prefill`` answers every generation with one token; ``decode`` acts as llm-d's
-    decode sidecar for requests naming a prefill pod in ``x-prefiller-host-port``."""
+    decode sidecar for requests naming a prefill pod in ``x-prefiller-host-port`` and
+    encode pods in ``x-encoder-hosts-ports``; ``encode`` is an encoder-only pod (vLLM
+    ``--mm-encoder-only``): one token, the items priced at ``encode_ms_per_image``,
+    ``ec_transfer_params`` in the answer."""
     prefill_failure: PrefillFailure = "fallback"
     """Decode role, when the prefill pod fails or cannot be reached: ``fallback`` prefills
     locally; ``error`` returns the prefill pod's status (502 if unreachable), as llm-d's
     nixlv2 sidecar does."""
     prefill_timeout_s: float = 60.0
-    """Decode role: give up on the prefill pod after this many wall-clock seconds."""
+    """Decode role: give up on the prefill pod (and on an encode pod) after this many
+    wall-clock seconds."""
+    encode_failure: PrefillFailure = "error"
+    """Decode role, when an encode pod named in ``x-encoder-hosts-ports`` fails or cannot
+    be reached: ``error`` answers 502, as llm-d's sidecar does; ``fallback`` encodes the
+    items locally (priced at ``encode_ms_per_image``)."""
     # Failure injection.
     error_rate: float = 0.0
     """Probability (0..1) that a valid generation request gets a 500."""
@@ -129,6 +145,7 @@ class SimConfig:
             "decode_base_ms",
             "decode_per_seq_ms",
             "kv_transfer_ms_per_token",
+            "encode_ms_per_image",
             "max_loras",
             "lora_load_ms",
             "slow_start_s",
@@ -143,6 +160,9 @@ class SimConfig:
         if self.prefill_failure not in PREFILL_FAILURE_MODES:
             raise ValueError(f"prefill_failure must be one of {', '.join(PREFILL_FAILURE_MODES)}, "
                              f"got {self.prefill_failure!r}")
+        if self.encode_failure not in ENCODE_FAILURE_MODES:
+            raise ValueError(f"encode_failure must be one of {', '.join(ENCODE_FAILURE_MODES)}, "
+                             f"got {self.encode_failure!r}")
         levels = [lvl for lvl, _ in self.kv_transfer_ms_per_token_by_level]
         if len(set(levels)) != len(levels) or not set(levels) <= set(_DISTANCES):
             raise ValueError("kv_transfer_ms_per_token_by_level: levels must be distinct, among "

@@ -29,17 +29,20 @@ Step time (seconds), with ``p_i`` the prefill tokens of sequence ``i`` in the st
 
     t = time_scale * slow * ( sum_i p_i * c_i
                               + [d > 0] * (decode_base_ms + decode_per_seq_ms * d)
-                              + l * lora_load_ms ) / 1000
+                              + l * lora_load_ms + sum_j e_j ) / 1000
 
 ``c_i`` is ``prefill_ms_per_token`` (the KV-transfer cost for a request whose prompt
 KV is pulled from a prefill pod: ``kv_transfer_ms_per_token``, or the per-distance cost
-the server passes); ``slow`` is ``slow_start_factor`` during slow
-start, else 1. Steps are back to back while there is work (a step starts when the
-previous one was due to end, so sleep overshoot does not accumulate). At the end of a
+the server passes); ``e_j`` is the encode cost (multimodal items times
+``encode_ms_per_image``, as the server passes it) of each request admitted for the first
+time in the step: the vision encoder runs inside the step and holds up the whole batch,
+as in vLLM; ``slow`` is ``slow_start_factor`` during slow start, else 1. Steps are back
+to back while there is work (a step starts when the previous one was due to end, so
+sleep overshoot does not accumulate). At the end of a
 step, a sequence whose prefill completed emits its first token and every decoding one
 emits one token; a request ends after ``max_tokens`` tokens (``max_tokens == 0``: after
 its prefill). Hence, for a lone request with ``u`` uncached tokens and ``n`` output
-tokens: ``TTFT = u * c``, ``ITL = decode_base_ms + decode_per_seq_ms``,
+tokens: ``TTFT = u * c + e``, ``ITL = decode_base_ms + decode_per_seq_ms``,
 ``E2E = TTFT + (n - 1) * ITL`` (times ``time_scale``).
 """
 
@@ -103,6 +106,8 @@ class SimRequest:
     arrival: float
     token_ids: list[int] = field(default_factory=list)
     """The prompt's token ids (what ``BlockStored.token_ids`` carries)."""
+    encode_ms: float = 0.0
+    """Encode cost of its multimodal items, added to the step that first admits it."""
     target: int = 0
     computed: int = 0
     generated: int = 0
@@ -154,6 +159,7 @@ class _Plan:
     prefill: list[tuple[SimRequest, int]] = field(default_factory=list)
     decode: list[SimRequest] = field(default_factory=list)
     lora_loads: int = 0
+    encode_ms: float = 0.0
 
     @property
     def empty(self) -> bool:
@@ -233,12 +239,14 @@ class Engine:
         lora: str | None = None,
         remote_prefill: bool = False,
         transfer_ms_per_token: float | None = None,
+        encode_ms: float = 0.0,
     ) -> SimRequest:
         """Queue a request. ``tokens`` is its prompt (an empty prompt computes one
         token); ``lora`` must be one of ``config.loras`` or None; ``remote_prefill``
         prices its uncached prompt at ``transfer_ms_per_token`` (default
         ``kv_transfer_ms_per_token``): its KV is pulled from a prefill pod, except the
-        prefix already in this engine's cache.
+        prefix already in this engine's cache. ``encode_ms`` (>= 0) is the model time its
+        multimodal items take to encode, added to the step that first admits it.
 
         Raises :class:`PromptTooLong` if prompt + ``max_tokens`` could never fit in the
         pool, ValueError for a bad ``max_tokens`` or unknown adapter,
@@ -246,6 +254,8 @@ class Engine:
         """
         cfg = self.config
         self.validate(len(tokens), max_tokens, lora)
+        if encode_ms < 0:
+            raise ValueError(f"encode_ms must be >= 0, got {encode_ms}")
         prompt = token_ids(tokens) if tokens else [word_id("<bos>")]
         self.start()
         loop = asyncio.get_running_loop()
@@ -270,6 +280,7 @@ class Engine:
             ),
             arrival=loop.time(),
             token_ids=prompt,
+            encode_ms=encode_ms,
         )
         req.target = req.prompt_len
         self.waiting.append(req)
@@ -408,7 +419,7 @@ class Engine:
         ms = sum(chunk * req.cost_ms_per_token for req, chunk in plan.prefill)
         if plan.decode:
             ms += cfg.decode_base_ms + cfg.decode_per_seq_ms * len(plan.decode)
-        ms += plan.lora_loads * cfg.lora_load_ms
+        ms += plan.lora_loads * cfg.lora_load_ms + plan.encode_ms
         if self.in_slow_start():
             ms *= cfg.slow_start_factor
         return ms * cfg.time_scale / 1000.0
@@ -436,8 +447,11 @@ class Engine:
             if slot is None:
                 skipped.append(self.waiting.popleft())
                 continue
+            first = req.scheduled_at is None
             if not self._admit(req):
                 break
+            if first:
+                plan.encode_ms += req.encode_ms
             self.waiting.popleft()
             if req.lora is not None:
                 if req.lora not in self.lora_slots:

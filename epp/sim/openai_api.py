@@ -1,8 +1,9 @@
 """The OpenAI API of a simulated pod: request parsing, generation, JSON and SSE answers.
 
 Routes (registered by :func:`epp.sim.app.build_app`): ``POST /v1/completions``,
-``/v1/chat/completions``, ``/v1/embeddings``, ``/v1/responses``, ``/tokenize`` and
-``GET /v1/models``.
+``/v1/chat/completions``, ``/v1/embeddings``, ``/v1/responses``, ``/v1/messages``
+(Anthropic's Messages API, as llm-d's inference simulator serves it: read as a chat
+request), ``/tokenize`` and ``GET /v1/models``.
 
 Contracts
 - A POST whose body is not a JSON object gets 400 with an OpenAI error body
@@ -27,10 +28,18 @@ Contracts
   random source (seeded by ``seed`` and the server name); a hit gets 500 with an OpenAI
   error body before reaching the engine.
 - Once the body parses, the request's ``/debug/requests`` record gains ``fields``
-  (``model``, ``stream``, the output-token limits and ``kv_transfer_params``, those
-  present).
+  (``model``, ``stream``, the output-token limits, ``kv_transfer_params``,
+  ``ec_transfer_params`` and ``cache_hit_threshold``, those present).
 - P/D: a prefill-role pod answers with ``kv_transfer_params``; a decode-role pod first
   has the pod named by ``x-prefiller-host-port`` prefill (:mod:`epp.sim.sidecar`).
+- E/P/D: an encode-role pod answers every generation with one token, and a chat request
+  with ``ec_transfer_params`` for its multimodal items; a decode-role pod first has the
+  pods named by ``x-encoder-hosts-ports`` encode a chat request's items, then prefills
+  (remotely or locally) without encoding them again.
+- Encode cost: a chat request's multimodal items (:func:`epp.sim.sidecar.mm_items`) cost
+  ``encode_ms_per_image`` each in the step that admits it, on an encode pod and on a pod
+  that prefills the request itself without ``ec_transfer_params`` (no encode pod did the
+  work); the record gains ``encoded`` (``items``, ``encode_ms``).
 """
 
 from __future__ import annotations
@@ -46,9 +55,15 @@ from typing import Any, Final
 import orjson
 from aiohttp import web
 
-from epp.keys import HEADER_PREFILLER
+from epp.keys import HEADER_ENCODERS, HEADER_PREFILLER
 from epp.sim.engine import EngineError, PromptTooLong, SimRequest
-from epp.sim.sidecar import prefill_answer_params, remote_prefill
+from epp.sim.sidecar import (
+    encode_answer_params,
+    mm_items,
+    prefill_answer_params,
+    remote_encode,
+    remote_prefill,
+)
 from epp.sim.state import (
     DEFAULT_MAX_TOKENS,
     RECORD_KEY,
@@ -65,6 +80,7 @@ __all__ = [
     "chat_completions",
     "completions",
     "embeddings",
+    "messages",
     "models",
     "responses",
     "tokenize",
@@ -80,6 +96,8 @@ _RECORDED_FIELDS: Final = (
     "max_completion_tokens",
     "max_output_tokens",
     "kv_transfer_params",
+    "ec_transfer_params",
+    "cache_hit_threshold",
 )
 
 
@@ -194,6 +212,7 @@ class _Gen:
     max_tokens: int
     model: str
     kv_transfer_params: Json | None
+    ec_transfer_params: Json | None = None
 
     def usage(self) -> Json:
         return {
@@ -207,12 +226,14 @@ class _Gen:
         return "".join(_token_text(i) for i in range(self.req.generated))
 
     def extra(self) -> Json:
-        """Top-level response fields besides the OpenAI ones (P/D transfer params)."""
-        return (
-            {}
-            if self.kv_transfer_params is None
-            else {"kv_transfer_params": self.kv_transfer_params}
-        )
+        """Top-level response fields besides the OpenAI ones (P/D and E/P/D transfer
+        params)."""
+        out: Json = {}
+        if self.kv_transfer_params is not None:
+            out["kv_transfer_params"] = self.kv_transfer_params
+        if self.ec_transfer_params is not None:
+            out["ec_transfer_params"] = self.ec_transfer_params
+        return out
 
     async def wait(self) -> None:
         """Until the last token; 503 if the engine stops first. Aborts on cancel."""
@@ -243,10 +264,11 @@ async def _submit(
     limit_fields: tuple[str, ...] = (),
 ) -> _Gen:
     """Accept a parsed request: role rules, the KV-fit check (400), failure injection
-    (500; only requests that pass the checks draw), the decode sidecar's remote prefill
-    (decode role, ``x-prefiller-host-port`` set; see
-    :func:`epp.sim.sidecar.remote_prefill`), engine submission (503 once the engine is
-    stopped).
+    (500; only requests that pass the checks draw), the decode sidecar's remote encode
+    (decode role, ``x-encoder-hosts-ports`` set; :func:`epp.sim.sidecar.remote_encode`)
+    and remote prefill (decode role, ``x-prefiller-host-port`` set; see
+    :func:`epp.sim.sidecar.remote_prefill`), the encode cost of the multimodal items this
+    pod encodes itself, engine submission (503 once the engine is stopped).
 
     ``generate`` is False for embeddings (prefill only, no role rules);
     ``limit_fields`` are the route's output-token limit fields (set to 1 in the prefill
@@ -256,7 +278,7 @@ async def _submit(
     cfg = state.config
     model = _model(body, state)
     lora = model if model in cfg.loras else None
-    if generate and cfg.role == "prefill":
+    if generate and cfg.role in ("prefill", "encode"):
         max_tokens = 1
     try:
         state.engine.validate(len(tokens), max_tokens, lora)
@@ -271,21 +293,43 @@ async def _submit(
     if generate and cfg.role == "prefill" and params is not None:
         out_params = prefill_answer_params(request, state, len(tokens))
     transfer: float | None = None
+    encoded_remotely = isinstance(body.get("ec_transfer_params"), dict) and bool(
+        body["ec_transfer_params"])
     if generate and cfg.role == "decode":
+        encoders = request.headers.get(HEADER_ENCODERS, "").strip()
+        if encoders:
+            body, by_pods = await remote_encode(request, state, body, encoders)
+            encoded_remotely = encoded_remotely or by_pods
         prefiller = request.headers.get(HEADER_PREFILLER, "").strip()
         if prefiller:
             got, transfer = await remote_prefill(request, state, body, limit_fields, prefiller)
             params = got  # the prefill pod's params replace the client's
         remote = params is not None and params.get("do_remote_prefill") is True
+    items = mm_items(body) if generate else []
+    ec_params: Json | None = None
+    encode_items = 0
+    if cfg.role == "encode" and generate:
+        encode_items = len(items)
+        if body.get("messages") is not None:
+            ec_params = encode_answer_params(request, items)
+    elif not remote and not encoded_remotely:
+        encode_items = len(items)
+    encode_ms = encode_items * cfg.encode_ms_per_image
     try:
         req = state.engine.submit(
-            tokens, max_tokens, lora=lora, remote_prefill=remote, transfer_ms_per_token=transfer
+            tokens, max_tokens, lora=lora, remote_prefill=remote, transfer_ms_per_token=transfer,
+            encode_ms=encode_ms,
         )
     except PromptTooLong as exc:
         raise BadRequest(str(exc)) from None
     except EngineError as exc:  # stopped: the server is shutting down
         raise HttpError(503, str(exc), "ServiceUnavailableError") from None
-    return _Gen(state, req, len(tokens), max_tokens, model, out_params)
+    if encode_items:
+        state.encode.charge(encode_items, encode_ms)
+        record = request.get(RECORD_KEY)
+        if record is not None:
+            record["encoded"] = {"items": encode_items, "encode_ms": encode_ms}
+    return _Gen(state, req, len(tokens), max_tokens, model, out_params, ec_params)
 
 
 async def _stream_events(
@@ -434,6 +478,110 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return await _sse_done(resp)
 
     return await _stream_events(request, gen, None, on_token, on_end)
+
+
+def _anthropic_chat(body: Json) -> Json:
+    """The chat body an Anthropic Messages body stands for (llm-d's inference simulator
+    converts it the same way): ``system`` (a string or text blocks) first as a system
+    message, then ``messages``; content blocks keep their ``text`` (``image``,
+    ``tool_use`` … blocks add no tokens). 400 when ``messages`` is missing or empty,
+    ``max_tokens`` is missing, or an ``image`` block has no ``source``."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise BadRequest("'messages' must be a non-empty array")
+    if body.get("max_tokens") is None:
+        raise BadRequest("'max_tokens' is required")
+    chat: list[Any] = []
+    system = body.get("system")
+    if system is not None:
+        if not isinstance(system, (str, list)):
+            raise BadRequest("'system' must be a string or an array of text blocks")
+        chat.append({"role": "system", "content": system})
+    for msg in msgs:
+        if not isinstance(msg, dict):
+            raise BadRequest("each message must be an object with 'role' and 'content'")
+        content = msg.get("content")
+        if isinstance(content, list):
+            for block in content:
+                if isinstance(block, dict) and block.get("type") == "image" \
+                        and block.get("source") is None:
+                    raise BadRequest("image content block is missing required 'source' field")
+        chat.append(msg)
+    return {**body, "messages": chat}
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    """POST /v1/messages (Anthropic Messages API): ``{"id": "msg_…", "type": "message",
+    "role": "assistant", "content": [{"type": "text", …}], "stop_reason": "max_tokens",
+    "usage": {"input_tokens", "output_tokens", "cache_creation_input_tokens",
+    "cache_read_input_tokens"}}``; streaming sends Anthropic's events (``message_start``,
+    ``content_block_start`` and ``ping`` with the first token, ``content_block_delta`` per
+    token, ``content_block_stop``, ``message_delta`` with the output tokens,
+    ``message_stop``), no ``[DONE]``."""
+    body = await _json_body(request)
+    chat = _anthropic_chat(body)
+    tokens = _chat(_tokenizer(request), chat)[0]
+    gen = await _submit(
+        request, body, tokens, _max_tokens(body, "max_tokens"), generate=True,
+        limit_fields=("max_tokens",),
+    )
+    mid = f"msg_{uuid.uuid4().hex}"
+
+    def message(content: list[Json], stop: str | None, output_tokens: int) -> Json:
+        return {
+            "id": mid,
+            "type": "message",
+            "role": "assistant",
+            "model": gen.model,
+            "content": content,
+            "stop_reason": stop,
+            "stop_sequence": None,
+            "usage": {
+                "input_tokens": gen.prompt_tokens,
+                "output_tokens": output_tokens,
+                "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": gen.req.cached_tokens,
+            },
+        }
+
+    if not body.get("stream"):
+        await gen.wait()
+        text = [{"type": "text", "text": gen.text()}]
+        return json_response({**message(text, "max_tokens", gen.req.generated), **gen.extra()})
+
+    started = False
+
+    async def on_start(resp: web.StreamResponse) -> None:
+        await _sse_send(resp, {"type": "message_start", "message": message([], None, 0)},
+                        "message_start")
+
+    async def start_block(resp: web.StreamResponse) -> None:
+        nonlocal started
+        if not started:
+            started = True
+            await _sse_send(resp, {"type": "content_block_start", "index": 0,
+                                   "content_block": {"type": "text", "text": ""}},
+                            "content_block_start")
+            await _sse_send(resp, {"type": "ping"}, "ping")
+
+    async def on_token(resp: web.StreamResponse, i: int) -> None:
+        await start_block(resp)
+        await _sse_send(resp, {"type": "content_block_delta", "index": 0,
+                               "delta": {"type": "text_delta", "text": _token_text(i)}},
+                        "content_block_delta")
+
+    async def on_end(resp: web.StreamResponse) -> web.StreamResponse:
+        await start_block(resp)
+        await _sse_send(resp, {"type": "content_block_stop", "index": 0}, "content_block_stop")
+        await _sse_send(resp, {"type": "message_delta",
+                               "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
+                               "usage": {"output_tokens": gen.req.generated}},
+                        "message_delta")
+        await _sse_send(resp, {"type": "message_stop"}, "message_stop")
+        await resp.write_eof()
+        return resp
+
+    return await _stream_events(request, gen, on_start, on_token, on_end)
 
 
 async def embeddings(request: web.Request) -> web.StreamResponse:

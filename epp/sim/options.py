@@ -14,7 +14,13 @@ import os
 from pathlib import Path
 
 from epp.kvcache.hashing import ALGORITHMS
-from epp.sim.config import DEFAULT_MODEL, PREFILL_FAILURE_MODES, ROLES, SimConfig
+from epp.sim.config import (
+    DEFAULT_MODEL,
+    ENCODE_FAILURE_MODES,
+    PREFILL_FAILURE_MODES,
+    ROLES,
+    SimConfig,
+)
 from epp.sim.kvevents import KVEventsConfig, parse_kv_events_config
 from epp.sim.tokens import SimTokenizer, load_tokenizer
 from epp.sim.topology import LEVELS, PeerTopology, parse_level_costs, parse_topology
@@ -46,8 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--model", default=DEFAULT_MODEL, help="served base model name")
     p.add_argument("--role", choices=ROLES, default=d.role,
-                   help="prefill: answer with 1 token (P/D prefill pod); decode: price "
-                   "prompts with kv_transfer_params.do_remote_prefill as KV transfer")  # fmt: skip
+                   help="prefill: answer with 1 token (P/D prefill pod); decode: llm-d's "
+                   "decode sidecar (x-prefiller-host-port, x-encoder-hosts-ports) and price "
+                   "prompts with kv_transfer_params.do_remote_prefill as KV transfer; "
+                   "encode: encoder-only pod (E/P/D), 1 token and ec_transfer_params")  # fmt: skip
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the random source")
     p.add_argument("--delay-s", type=float, default=0.0,
                    help="extra latency before every POST reaches the engine (seconds)")  # fmt: skip
@@ -86,7 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-transfer-ms-per-token", type=float, default=d.kv_transfer_ms_per_token,
                    help="decode role: cost per prompt token pulled from a prefill pod whose "
                    "distance is unknown")  # fmt: skip
-    g = p.add_argument_group("P/D disaggregation (decode role; see docs/disaggregation.md)")
+    g.add_argument("--encode-ms-per-image", type=float, default=d.encode_ms_per_image,
+                   help="cost per multimodal item (image_url, audio_url, video_url, "
+                   "input_audio part) a pod encodes: on an encode pod, or on a pod that "
+                   "prefills without ec_transfer_params")  # fmt: skip
+    g = p.add_argument_group("P/D and E/P/D disaggregation (decode role; see "
+                             "docs/disaggregation.md)")
     g.add_argument("--kv-transfer-cost", action="append", default=[],
                    metavar="LEVEL=MS[,LEVEL=MS...]",
                    help="KV-transfer cost per token by the prefill pod's distance: node, "
@@ -109,7 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="when the prefill pod fails: prefill locally (fallback), or return "
                    "its status as llm-d's sidecar does (error)")  # fmt: skip
     g.add_argument("--prefill-timeout-s", type=float, default=d.prefill_timeout_s,
-                   help="give up on the prefill pod after this long (wall-clock seconds)")  # fmt: skip
+                   help="give up on the prefill pod (or an encode pod) after this long "
+                   "(wall-clock seconds)")  # fmt: skip
+    g.add_argument("--encode-failure", choices=ENCODE_FAILURE_MODES, default=d.encode_failure,
+                   help="when an encode pod of x-encoder-hosts-ports fails: answer 502 as "
+                   "llm-d's sidecar does (error), or encode locally (fallback)")  # fmt: skip
     g = p.add_argument_group("LoRA")
     g.add_argument("--lora", action="append", default=[], metavar="NAME[,NAME...]",
                    help="LoRA adapter served besides the base model (repeatable)")  # fmt: skip
@@ -149,7 +166,10 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         decode_per_seq_ms=args.decode_per_seq_ms,
         kv_transfer_ms_per_token=args.kv_transfer_ms_per_token,
         kv_transfer_ms_per_token_by_level=tuple(by_level.items()),
+        encode_ms_per_image=getattr(args, "encode_ms_per_image",
+                                    SimConfig().encode_ms_per_image),
         prefill_failure=args.prefill_failure,
+        encode_failure=getattr(args, "encode_failure", SimConfig().encode_failure),
         prefill_timeout_s=args.prefill_timeout_s,
         loras=loras,
         max_loras=args.max_loras,

@@ -2,8 +2,8 @@
 
 :class:`SimState` is an app's state (``app[STATE_KEY]``, one per simulated pod, never
 shared): its name, model, :class:`~epp.sim.config.SimConfig`, engine, Prometheus
-registry, seeded random source, tokenizer, the ``/debug/requests`` log and the P/D
-counters (:class:`PdStats`). Also here: the OpenAI-style error (:class:`HttpError`,
+registry, seeded random source, tokenizer, the ``/debug/requests`` log, the P/D
+counters (:class:`PdStats`) and the E/P/D ones (:class:`EncodeStats`). Also here: the OpenAI-style error (:class:`HttpError`,
 :func:`error_response`) and the small helpers :mod:`epp.sim.openai_api`,
 :mod:`epp.sim.sidecar` and :mod:`epp.sim.app` all use.
 """
@@ -32,6 +32,7 @@ __all__ = [
     "RECORD_KEY",
     "SIM_SERVER_HEADER",
     "STATE_KEY",
+    "EncodeStats",
     "HttpError",
     "Json",
     "PdStats",
@@ -68,6 +69,7 @@ class SimState:
     peers: PeerTopology | None = None
     """Topologies of the pods in the endpoints file (``--peer-topology-file``)."""
     pd: PdStats = field(default_factory=lambda: PdStats())
+    encode: EncodeStats = field(default_factory=lambda: EncodeStats())
     http: aiohttp.ClientSession | None = None
     tokenizer: SimTokenizer = field(default_factory=WordTokenizer)
     """Prompts and chat messages to token ids (``--tokenizer``; words by default)."""
@@ -117,6 +119,49 @@ class PdStats:
             "fallbacks": self.fallbacks,
             "by_distance": dict(self.by_distance),
             "by_prefiller": dict(self.by_prefiller),
+        }
+
+
+@dataclass
+class EncodeStats:
+    """Multimodal encode work (``GET /debug/state`` → ``encode``): what this pod encoded
+    (an ``encode``-role pod for others; any pod for itself) and, on a decode pod, what
+    its sidecar had encode pods do."""
+
+    requests: int = 0
+    """Requests whose items this pod encoded (as an encode pod, or locally)."""
+    items: int = 0
+    """Multimodal items this pod encoded."""
+    encode_ms: float = 0.0
+    """Model milliseconds of encode work this pod charged (``encode_ms_per_image`` each)."""
+    remote_requests: int = 0
+    """Decode role: requests whose items encode pods encoded (every item answered 2xx)."""
+    remote_items: int = 0
+    """Decode role: items sent to encode pods and encoded there."""
+    failures: int = 0
+    """Decode role: requests for which an encode pod failed or could not be reached."""
+    fallbacks: int = 0
+    """Of those, requests then encoded locally (``encode_failure = fallback``)."""
+    by_encoder: dict[str, int] = field(default_factory=dict)
+    """Decode role: items encoded by encode pod (``address:port``)."""
+
+    def charge(self, items: int, ms: float) -> None:
+        """Count ``items`` encoded here at a cost of ``ms``."""
+        if items:
+            self.requests += 1
+            self.items += items
+            self.encode_ms += ms
+
+    def as_dict(self) -> Json:
+        return {
+            "requests": self.requests,
+            "items": self.items,
+            "encode_ms": round(self.encode_ms, 6),
+            "remote_requests": self.remote_requests,
+            "remote_items": self.remote_items,
+            "failures": self.failures,
+            "fallbacks": self.fallbacks,
+            "by_encoder": dict(self.by_encoder),
         }
 
 

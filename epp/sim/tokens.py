@@ -19,6 +19,7 @@ Responses ``input`` (:class:`SimTokenizer`).
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any, Final
@@ -124,14 +125,17 @@ def responses_input_tokens(inp: Any) -> list[Token]:
 # ---------------------------------------------------------------- token ids
 
 
+@functools.lru_cache(maxsize=1 << 17)
 def word_id(word: str) -> int:
     """The id of a word token: the low 31 bits of its XXH3-64 (stable across processes,
-    non-negative, fits the ``uint32`` token ids of vLLM's events)."""
+    non-negative, fits the ``uint32`` token ids of vLLM's events). Memoized: a pod sees
+    the same words again and again, and ``/tokenize`` is on the EPP's request path."""
     return xxhash.xxh3_64_intdigest(word.encode()) & 0x7FFFFFFF
 
 
 def _ids(tokens: list[Token]) -> Encoded:
-    ids = [word_id(t) if isinstance(t, str) else t for t in tokens]
+    wid = word_id
+    ids = [wid(t) if isinstance(t, str) else t for t in tokens]
     return ids, [t if isinstance(t, str) else str(t) for t in tokens]
 
 

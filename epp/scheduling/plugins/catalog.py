@@ -6,10 +6,13 @@ Only the config loader imports this module; plugins import the framework
 
 from __future__ import annotations
 
+from epp.datalayer import models
+from epp.discovery.llmd_file import FileDiscovery, MultiClusterFileDiscovery
 from epp.flowcontrol.llmd import LLMD_FLOW_CONTROL_PLUGINS
 from epp.flowcontrol.plugins import FLOW_CONTROL_PLUGINS
 from epp.framework.registry import Registry
 from epp.parsing.parsers import BUILTIN_PARSERS
+from epp.requestcontrol import agent_identity, rollout_screener
 from epp.scheduling.plugins import (
     admitters,
     affinity,
@@ -26,9 +29,13 @@ from epp.scheduling.plugins import (
     latency_monolith,
     latency_producer,
     latency_scorer,
+    llmd_filters,
     llmd_handlers,
+    llmd_producers,
     load,
     lora,
+    multicluster,
+    multimodal_cache,
     nohit,
     pd,
     pickers,
@@ -42,6 +49,7 @@ from epp.scheduling.plugins import (
     session,
     token_producer,
     topology,
+    topology_llmd,
 )
 
 BUILTIN_PLUGINS: tuple[type, ...] = (
@@ -86,6 +94,7 @@ BUILTIN_PLUGINS: tuple[type, ...] = (
     predicted_ttft.PredictedTTFTScorer,  # issue 17: TTFT model (docs/plugins.md)
     filters.LabelSelectorFilter,
     filters.ByLabelSelectorFilter,
+    filters.ByLabelFilter,  # llm-d's deprecated by-label
     saturation.UtilizationDetector,
     concurrency.ConcurrencyDetector,
     affinity.PrefixCacheAffinityFilter,
@@ -103,9 +112,26 @@ BUILTIN_PLUGINS: tuple[type, ...] = (
     datalayer.K8sNotificationSource,
     dcgm.DCGMDataSource,
     dcgm.DCGMExtractor,
+    models.ModelsDataSource,  # issue 18: llm-d's /v1/models source, its extractor
+    models.ModelsExtractor,
+    models.ServedModelsFilter,  # this project's consumer of the models attribute
+    topology_llmd.TopologyExtractor,  # issue 18: llm-d's topology plugins
+    topology_llmd.TopologyAffinityFilter,
+    llmd_filters.UtilizationFilter,  # issue 18: llm-d's utilization-filter
+    llmd_filters.ContextLengthAware,  # and context-length-aware (filter + scorer)
     *FLOW_CONTROL_PLUGINS,  # GIE's flow-control policies (epp/flowcontrol/plugins.py)
     *LLMD_FLOW_CONTROL_PLUGINS,  # llm-d-router's (epp/flowcontrol/llmd.py)
     admitters.ProbabilisticAdmitter,  # llm-d-router's probabilistic-admitter
+    FileDiscovery,  # issue 18: llm-d's dataLayer.discovery (epp/discovery/llmd_file.py)
+    MultiClusterFileDiscovery,
+    *multicluster.MULTICLUSTER_PLUGINS,  # issue 18: llm-d's multicluster variants
+    agent_identity.AgentIdentity,  # issue 18: llm-d's request control (and these below)
+    llmd_producers.SessionIdProducer,
+    llmd_producers.BurstPrefixCacheProducer,
+    llmd_producers.P2PSourceProducer,
+    multimodal_cache.MMEmbeddingsCacheProducer,
+    multimodal_cache.MMEmbeddingsCacheScorer,
+    rollout_screener.DisaggregatedSetRolloutScreener,
     *BUILTIN_PARSERS,  # openai-, passthrough-, vllmgrpc-, vllmhttp-, anthropic-, vertexai-parser
 )
 

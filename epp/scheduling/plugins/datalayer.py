@@ -163,7 +163,7 @@ class CoreMetricsExtractor:
     ``llm-d.ai/engine-type``, then ``inference.networking.k8s.io/engine-type``); an
     unlabelled or unknown engine gets ``defaultEngine``'s mapping (``vllm``).
     ``engineConfigs`` entries replace the built-in mapping of the same name whole and add
-    new engines; the built-ins are vllm, sglang, trtllm-serve and triton-tensorrt-llm."""
+    new engines; the built-ins are vllm, sglang, trtllm-serve, triton-tensorrt-llm, triton."""
 
     type_name = "core-metrics-extractor"
     Parameters = CoreMetricsExtractorParameters

@@ -25,7 +25,7 @@ from typing import Any, Self
 
 from epp.errors import ConfigError
 from epp.framework.handle import PluginHandle
-from epp.framework.params import param
+from epp.framework.params import config_warning, param
 from epp.scheduling.types import CycleState, Endpoint, LLMRequest
 
 
@@ -166,3 +166,59 @@ class ByLabelSelectorFilter(LabelSelectorFilter):
     """llm-d's deprecated name for :class:`LabelSelectorFilter`, kept so older configs load."""
 
     type_name = "by-label-selector"
+
+
+def _strings(v: Any, path: str) -> tuple[str, ...]:
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise ConfigError(f"{path}: expected a list of strings (quote numbers: \"0\")")
+    return tuple(v)
+
+
+@dataclass(frozen=True)
+class ByLabelParameters:
+    label: str = param("label", "")
+    valid_values: tuple[str, ...] = param("validValues", (), parse=_strings)
+    allows_no_label: bool = param("allowsNoLabel", False)
+
+
+class ByLabelFilter:
+    """llm-d's deprecated ``by-label`` filter (llm-d-router v0.10.0
+    ``filter/bylabel/filter.go``): keeps the endpoints whose label ``label`` has one of
+    ``validValues``, and those without the label when ``allowsNoLabel`` is true. Use
+    ``label-selector-filter`` or the role filters instead."""
+
+    type_name = "by-label"
+    Parameters = ByLabelParameters
+
+    def __init__(self, name: str, label: str, valid_values: Sequence[str] = (),
+                 allows_no_label: bool = False) -> None:
+        self.name = name
+        self.label = label
+        self.valid_values = frozenset(valid_values)
+        self.allows_no_label = allows_no_label
+
+    @classmethod
+    def from_params(cls, name: str, params: ByLabelParameters,
+                    handle: PluginHandle) -> Self:
+        config_warning(name, "plugin type 'by-label' is deprecated, use "
+                       "'label-selector-filter' for generic label filtering or "
+                       "'decode-filter'/'prefill-filter'/'encode-filter' for role-based "
+                       "filtering")
+        if not params.label:
+            raise ConfigError(f"invalid configuration for '{cls.type_name}' filter ({name}): "
+                              "'label' must be specified")
+        if not params.valid_values and not params.allows_no_label:
+            raise ConfigError(f"invalid configuration for '{cls.type_name}' filter ({name}): "
+                              "either 'validValues' must be non-empty or 'allowsNoLabel' "
+                              "must be true")
+        return cls(name, params.label, params.valid_values, params.allows_no_label)
+
+    def filter(self, state: CycleState, request: LLMRequest,
+               endpoints: Sequence[Endpoint]) -> Sequence[Endpoint]:
+        out = []
+        for e in endpoints:
+            v = e.labels.get(self.label)
+            # as Go: an absent label reads as "" against validValues
+            if (v is None and self.allows_no_label) or (v or "") in self.valid_values:
+                out.append(e)
+        return out

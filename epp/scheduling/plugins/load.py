@@ -20,12 +20,17 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
 
+from epp import keys as epp_keys
 from epp.errors import ConfigError
 from epp.framework import interfaces as fw
 from epp.framework.handle import PluginHandle
 from epp.framework.params import param, positive_duration
 from epp.scheduling.types import CycleState, Endpoint, LLMRequest, SchedulingResult
+
+if TYPE_CHECKING:
+    from epp.observability.metrics import EppMetrics
 
 CHARS_PER_TOKEN = 4.0
 OUTPUT_RATIO = 1.5
@@ -49,6 +54,7 @@ class _Entry:
     keys: tuple[str, ...]
     tokens: int
     deadline: float
+    tag: Any = None  # the owner's, handed to ``on_undo`` (the producer's metric labels)
 
 
 class InFlightTracker:
@@ -68,15 +74,17 @@ class InFlightTracker:
         self.tokens: dict[str, int] = {}
         self._entries: dict[int, _Entry] = {}  # insertion order = deadline order
         self._last_id = 0
+        # Called with each entry undone (released or expired) that carries a tag.
+        self.on_undo: Callable[[_Entry], None] | None = None
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def add(self, keys: Sequence[str], tokens: int = 0) -> int:
+    def add(self, keys: Sequence[str], tokens: int = 0, tag: Any = None) -> int:
         self.expire()
         self._last_id += 1
         deadline = (self._clock() + self.timeout) if self.timeout is not None else float("inf")
-        entry = _Entry(tuple(keys), tokens, deadline)
+        entry = _Entry(tuple(keys), tokens, deadline, tag)
         self._entries[self._last_id] = entry
         for k in entry.keys:
             self.requests[k] = self.requests.get(k, 0) + 1
@@ -111,6 +119,8 @@ class InFlightTracker:
             _dec(self.requests, k, 1)
             if entry.tokens:
                 _dec(self.tokens, k, entry.tokens)
+        if entry.tag is not None and self.on_undo is not None:
+            self.on_undo(entry)
 
 
 def _dec(counts: dict[str, int], key: str, n: int) -> None:
@@ -255,11 +265,46 @@ class InFlightLoadProducer(_Tracking):
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.name = name
         self.tracker = InFlightTracker(request_timeout, clock)
+        self._metrics: EppMetrics | None = None
 
     @classmethod
     def from_params(cls, name: str, params: InFlightLoadProducer.Parameters,
                     handle: PluginHandle) -> InFlightLoadProducer:
         return cls(name, params.request_timeout)
+
+    def bind_metrics(self, metrics: EppMetrics) -> None:
+        """Export what it counts as llm-d's ``llm_d_epp_inflight_{requests,tokens}``
+        (per endpoint, fairness ID and priority; inflightload/metrics.go)."""
+        self._metrics = metrics
+        self.tracker.on_undo = self._released
+
+    def pre_request(self, request: LLMRequest, result: SchedulingResult) -> None:
+        m = self._metrics
+        if m is None:
+            super().pre_request(request, result)
+            return
+        # As llm-d's PreRequest: the first endpoint of every profile result, +1 request
+        # and +tokens each; the entry remembers the labels for the release (_released).
+        eps = [r.endpoints[0] for r in result.profile_results.values()
+               if r is not None and r.endpoints]
+        if not eps:
+            return
+        tokens = estimate_tokens(request)
+        fairness = request.fairness_id or epp_keys.DEFAULT_FAIRNESS_ID
+        priority = request.priority
+        request.plugin_state[self.name] = self.tracker.add(
+            [e.key for e in eps], tokens, (eps, fairness, priority))
+        for e in eps:
+            m.record_inflight(self, e.name, e.namespace, fairness, priority, 1, tokens)
+
+    def _released(self, entry: _Entry) -> None:
+        """An entry released or expired: −1 request and −tokens on its series."""
+        m = self._metrics
+        if m is None:
+            return
+        eps, fairness, priority = entry.tag
+        for e in eps:
+            m.record_inflight(self, e.name, e.namespace, fairness, priority, -1, -entry.tokens)
 
     def score(self, state: CycleState, request: LLMRequest,
               endpoints: Sequence[Endpoint]) -> Sequence[float]:

@@ -33,6 +33,11 @@ default as llm-d has none): the approximate producer's balance guard — a candi
 loaded far above the least-loaded one gets prefix score 0, so one hot prefix does not
 pile every request onto the pod that holds it.
 
+``indexerConfig.tokenizersPoolConfig`` (deprecated): the producer refuses it, as llm-d's
+does; ``precise-prefix-cache-scorer`` runs its tokenizer itself for requests without
+tokens (llm-d-router v0.10.0 ``scorer/preciseprefixcache/legacy_producer.go``) when it is
+local — :func:`tokenizers_pool`.
+
 Memory: ``indexerConfig.kvBlockIndexConfig.inMemoryConfig.maxBlocksPerPod`` (this
 project's addition, default 262144) bounds each pod's entries (oldest dropped first);
 ``size`` bounds the distinct keys, ``podCacheSize`` the pods per key (llm-d's).
@@ -42,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pathlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -50,7 +56,13 @@ from typing import Any, Final
 from epp.errors import ConfigError
 from epp.framework import interfaces as fw
 from epp.framework.handle import PluginHandle
-from epp.framework.params import config_warning, decode_params, param, parse_duration
+from epp.framework.params import (
+    config_warning,
+    current_policy,
+    decode_params,
+    param,
+    parse_duration,
+)
 from epp.kvcache.index import DEFAULT_MEDIUM_WEIGHTS, BlockIndex
 from epp.kvcache.subscriber import (
     DEFAULT_SOCKET_PORT,
@@ -58,6 +70,7 @@ from epp.kvcache.subscriber import (
     SubscriberManager,
     zmq_addresses,
 )
+from epp.kvcache.tokenization import LocalTokenizer
 from epp.scheduling.plugins.token_producer import TOKENIZED_PROMPT, TokenProducer, tokenized
 from epp.scheduling.types import CycleState, Endpoint, LLMRequest, SchedulingResult
 
@@ -138,9 +151,56 @@ def _backends(v: Any, path: str) -> Mapping[str, float]:
     return out
 
 
-def _no_tokenizers_pool(v: Any, path: str) -> Any:
-    raise ConfigError(f"{path}: tokenizersPoolConfig is not supported; configure a "
-                      "token-producer plugin instead")
+def _tokenizer_map(v: Any, path: str) -> Mapping[str, str]:
+    if not isinstance(v, Mapping) or not all(isinstance(k, str) and isinstance(x, str)
+                                              for k, x in v.items()):
+        raise ConfigError(f"{path}: expected a mapping of model name to tokenizer path "
+                          "(a directory holding tokenizer.json, or the file)")
+    return MappingProxyType(dict(v))
+
+
+@dataclass(frozen=True)
+class UdsTokenizerParameters:
+    """llm-d-kv-cache's ``UdsTokenizerConfig`` (``tokenizersPoolConfig.uds``)."""
+
+    socket_file: str = param("socketFile", "")
+    use_tcp: bool = param("useTCP", False)
+    model_tokenizer_map: Mapping[str, str] | None = param("modelTokenizerMap", None,
+                                                          parse=_tokenizer_map)
+
+
+#: Keys of llm-d-kv-cache v0.7's pool (llm-d-inference-scheduler v0.8.0's configs) that
+#: llm-d-router v0.10.0 (llm-d-kv-cache v0.9) no longer has: its strict decoder refuses
+#: them ("json: unknown field").
+_OLD_POOL_KEYS = {"local": "the in-process local tokenizer", "hf": "the in-process Hugging "
+                  "Face tokenizer (downloaded from the hub)"}
+
+
+def _pool(v: Any, path: str) -> TokenizersPoolParameters:
+    if isinstance(v, Mapping):
+        old = sorted(set(v) & set(_OLD_POOL_KEYS))
+        if old:
+            what = ", ".join(f"{k} ({_OLD_POOL_KEYS[k]})" for k in old)
+            head = (f"{what}: not read by llm-d-router v0.10.0, whose pool has only "
+                    "modelName, workersCount and uds (its strict decoder fails on it)")
+            fix = ("point uds.modelTokenizerMap (or modelName) at a local copy of the "
+                   "tokenizer, or declare a token-producer")
+            if current_policy().strict:
+                raise ConfigError(f"{path}: {head}; remove it and {fix}")
+            config_warning(path, f"{head}; ignored: {fix}")
+            v = {k: x for k, x in v.items() if k not in _OLD_POOL_KEYS}
+    return decode_params(TokenizersPoolParameters, v, path)
+
+
+@dataclass(frozen=True)
+class TokenizersPoolParameters:
+    """llm-d's deprecated ``indexerConfig.tokenizersPoolConfig`` (llm-d-kv-cache's
+    tokenization ``Config``): the tokenizer ``precise-prefix-cache-scorer`` runs itself."""
+
+    model_name: str = param("modelName", "")
+    workers_count: int = param("workersCount", 5, minimum=0)  # llm-d's pool workers: unused
+    uds: UdsTokenizerParameters | None = param("uds", None,  # noqa: RUF009 -- param() is the framework's field(); frozen default
+                                               parse=_nested(UdsTokenizerParameters))
 
 
 @dataclass(frozen=True)
@@ -148,7 +208,10 @@ class IndexerParameters:
     kv_block_index: KVBlockIndexParameters = param(  # noqa: RUF009 -- param() is the framework's field(); frozen default
         "kvBlockIndexConfig", KVBlockIndexParameters(), parse=_nested(KVBlockIndexParameters))
     backends: Mapping[str, float] | None = param("kvCacheBackendConfigs", None, parse=_backends)
-    tokenizers_pool: Any = param("tokenizersPoolConfig", None, parse=_no_tokenizers_pool)  # noqa: RUF009 -- param() is the framework's field(); frozen default
+    # Only precise-prefix-cache-scorer (llm-d's legacy producer) reads it; the producer
+    # refuses it as llm-d's does.
+    tokenizers_pool: TokenizersPoolParameters | None = param(  # noqa: RUF009 -- param() is the framework's field(); frozen default
+        "tokenizersPoolConfig", None, parse=_pool)
 
 
 @dataclass(frozen=True)
@@ -255,17 +318,32 @@ class PrecisePrefixCacheProducer:
         self.lookups = 0
         self.lookup_hits = 0
         self.inflight: dict[str, int] = {}
+        # llm-d's legacy producer: the tokenizer of tokenizersPoolConfig, run when a
+        # request reaches the producer without tokens (set by precise-prefix-cache-scorer).
+        self.pool: TokenProducer | None = None
 
     @classmethod
     def from_params(cls, name: str, params: PrecisePrefixParameters,
                     handle: PluginHandle) -> PrecisePrefixCacheProducer:
+        if params.indexer.tokenizers_pool is not None:  # llm-d's producer refuses it too
+            raise ConfigError(f"{name}.indexerConfig.tokenizersPoolConfig: "
+                              "tokenizersPoolConfig is not supported; configure a "
+                              "token-producer plugin instead (only the deprecated "
+                              "precise-prefix-cache-scorer still reads it)")
         if params.token_processor.block_size and params.token_processor.block_size_tokens:
             config_warning(f"{name}.tokenProcessorConfig", "blockSize is deprecated; "
                            "blockSizeTokens wins")
         return cls(name, params)
 
     def bind(self, handle: PluginHandle) -> None:
-        """llm-d auto-creates an ``estimate`` token-producer when none is declared."""
+        """llm-d auto-creates an ``estimate`` token-producer when none is declared. With a
+        tokenizers pool (llm-d's legacy producer) none is needed: the producer then
+        consumes nothing (llm-d drops the dependency), unless a token-producer is declared,
+        which then runs first and the pool only tokenizes what it left untokenized."""
+        if self.pool is not None:
+            if not handle.of_type(TokenProducer):
+                self.consumes = MappingProxyType({})
+            return
         if not handle.of_type(TokenProducer):
             from epp.kvcache.tokenization import EstimateTokenizer
 
@@ -284,7 +362,9 @@ class PrecisePrefixCacheProducer:
             off = ev.pod_discovery.endpoint_port_offset
             modes.append("per endpoint tcp://<address>:" + (
                 f"<port{off:+d}>" if off else str(ev.pod_discovery.socket_port)))
-        return (f"{self.name}: block size {self.block_size} tokens, KV events "
+        pool = (f"; tokenizers pool {self.pool.backend.name}" if self.pool is not None
+                else "")
+        return (f"{self.name}: block size {self.block_size} tokens{pool}, KV events "
                 f"{' + '.join(modes) or 'none'} (topic {ev.topic_filter!r}); index at most "
                 f"{mem.max_blocks_per_pod} blocks per pod (~"
                 f"{BlockIndex.estimate_bytes(mem.max_blocks_per_pod, 1) / 2**20:.0f} MiB per pod)")
@@ -326,6 +406,8 @@ class PrecisePrefixCacheProducer:
             self._log_task = None
         await self.manager.shutdown()
         self._started = False
+        if self.pool is not None:
+            await self.pool.stop_background()
 
     def extract_endpoint(self, event: str, endpoint: Endpoint) -> None:
         ev = self.params.kv_events
@@ -380,6 +462,8 @@ class PrecisePrefixCacheProducer:
     async def prepare_request_data(self, request: LLMRequest,
                                    endpoints: Sequence[Endpoint]) -> None:
         self._ensure_started()
+        if self.pool is not None and tokenized(request) is None:
+            await self.pool.prepare_request_data(request, endpoints)
         if tokenized(request) is not None:
             request.plugin_state[f"{_STATE}/{self.name}"] = (
                 tuple(e.key for e in endpoints), self.compute(request, endpoints))
@@ -495,6 +579,9 @@ class PrecisePrefixCacheScorer:
             self.producer = found[0]
             return
         self.producer = PrecisePrefixCacheProducer(f"{self.name}-producer", self._params)
+        pool = self._params.indexer.tokenizers_pool if self._params is not None else None
+        if pool is not None:
+            self.producer.pool = tokenizers_pool(self.name, pool)
         handle.add(self.producer)
         self.producer.bind(handle)
 
@@ -507,3 +594,56 @@ class PrecisePrefixCacheScorer:
         return [matched.get(e.key, 0) / total for e in endpoints]
 
 
+
+
+# ----------------------------------------------------------------------- tokenizers pool
+
+
+def tokenizers_pool(name: str, pool: TokenizersPoolParameters) -> TokenProducer:
+    """The tokenizer of llm-d's deprecated ``tokenizersPoolConfig``, as a private
+    :class:`TokenProducer`.
+
+    llm-d-router v0.10.0 (``legacy_producer.go``, llm-d-kv-cache's UDS pool) asks its UDS
+    tokenizer sidecar for the tokenizer of ``modelName`` — or of
+    ``uds.modelTokenizerMap[modelName]``, a local directory or ``tokenizer.json`` — and
+    fails at startup when it cannot get it. This EPP has no client for that sidecar: it
+    loads the tokenizer in process when that name is a local tokenizer, and otherwise fails
+    at startup (it does not download from the Hugging Face hub), naming the fixes."""
+    where = f"{name}.indexerConfig.tokenizersPoolConfig"
+    model = pool.model_name
+    if not model:
+        raise ConfigError(f"{where}.modelName: required: the model whose tokenizer the "
+                          "scorer runs (llm-d: 'config and config.ModelName cannot be nil or "
+                          "empty')")
+    uds = pool.uds
+    target = model
+    if uds is not None and uds.model_tokenizer_map is not None:
+        if model not in uds.model_tokenizer_map:
+            raise ConfigError(f"{where}.uds.modelTokenizerMap: no entry for modelName "
+                              f"{model!r} (llm-d: 'tokenizer for model {model!r} not "
+                              "found'); add one")
+        target = uds.model_tokenizer_map[model]
+    path = pathlib.Path(target)
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not file.is_file():
+        sidecar = (f" at {uds.socket_file}" if uds is not None and uds.socket_file else "")
+        raise ConfigError(
+            f"{where}: cannot obtain the tokenizer of {model!r}: {target!r} is not a local "
+            "tokenizer (a directory holding tokenizer.json, or the file). llm-d-router "
+            f"v0.10.0 gets it from its UDS tokenizer sidecar{sidecar}, which downloads hub "
+            "models, and fails at startup when it cannot (without 'uds': 'UDS tokenizer "
+            "config must be enabled'); this EPP has no client for that sidecar and does not "
+            "download. Fix: declare a token-producer (vllm: {url: http://<model server>:8000}"
+            ", or local: {path: <tokenizer dir>}) and remove tokenizersPoolConfig, or point "
+            "uds.modelTokenizerMap {<model>: <dir>} (or modelName) at a local copy of the "
+            "tokenizer")
+    try:
+        backend = LocalTokenizer(str(path))
+    except Exception as e:  # noqa: BLE001 -- tokenizers raises bare Exception
+        raise ConfigError(f"{where}: cannot load the tokenizer of {model!r} from "
+                          f"{str(file)!r}: {e}") from None
+    if uds is not None and uds.socket_file:
+        config_warning(where, f"uds.socketFile {uds.socket_file!r} is not used: the "
+                       f"tokenizer {str(file)!r} runs in process (this EPP has no client for "
+                       "llm-d's UDS tokenizer sidecar)")
+    return TokenProducer(f"{name}-tokenizers-pool", backend)

@@ -26,12 +26,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from epp.errors import ConfigError
 from epp.framework.handle import PluginHandle
 from epp.framework.params import param, positive_duration
 from epp.scheduling.types import CycleState, Endpoint, LLMRequest
+
+if TYPE_CHECKING:
+    from epp.observability.metrics import EppMetrics
 
 DEFAULT_QUEUE_DEPTH = 5
 DEFAULT_KV_UTIL = 0.8
@@ -78,12 +81,18 @@ class UtilizationDetector:
         self.metrics_staleness_threshold = metrics_staleness_threshold
         self.headroom = headroom
         self._clock = clock
+        self._metrics: EppMetrics | None = None
 
     @classmethod
     def from_params(cls, name: str, params: UtilizationDetectorParameters,
                     handle: PluginHandle) -> UtilizationDetector:
         return cls(name, params.queue_depth_threshold, params.kv_cache_util_threshold,
                    params.metrics_staleness_threshold, params.headroom)
+
+    def bind_metrics(self, metrics: EppMetrics) -> None:
+        """Report the stale endpoints of each :meth:`saturation` (llm-d's
+        ``llm_d_epp_flow_control_stale_endpoints{detector}``)."""
+        self._metrics = metrics
 
     def _stale(self, e: Endpoint, now: float) -> bool:
         return e.metrics.is_stale(now, self.metrics_staleness_threshold)
@@ -104,18 +113,26 @@ class UtilizationDetector:
         return not any(self.has_capacity(e, now) for e in endpoints)
 
     def saturation(self, endpoints: Sequence[Endpoint]) -> float:
-        """GIE's pool saturation gradient: mean per-endpoint roofline score; 1.0 if empty."""
+        """GIE's pool saturation gradient: mean per-endpoint roofline score; 1.0 if empty.
+        Bound to metrics, it records how many endpoints scored 1.0 for stale metrics (0
+        for none), as llm-d's detector does at every evaluation."""
         if not endpoints:
+            if self._metrics is not None:
+                self._metrics.record_stale_endpoints(self.name, 0)
             return 1.0
         now = self._clock()
         total = 0.0
+        stale = 0
         for e in endpoints:
             if self._stale(e, now):
                 total += 1.0
+                stale += 1
                 continue
             m = e.metrics
             total += max(m.waiting_queue_size / self.queue_depth_threshold,
                          m.kv_cache_usage / self.kv_cache_util_threshold)
+        if self._metrics is not None:
+            self._metrics.record_stale_endpoints(self.name, stale)
         return total / len(endpoints)
 
     # --- Filter ---

@@ -15,8 +15,9 @@ sessionaffinity and util/sessionaffinity) and share its two strategies, chosen b
   request; the Director asks for it through the ``ResponseHeaders`` hook.
 - ``session_id``, stateful: an opaque session id is read from ``sessionIdConfig.sources``
   in order (each a request ``header``, or an ``attribute`` — a string another plugin left
-  in ``request.plugin_state`` under that key — first non-blank wins; default one header
-  source ``x-session-id``). The plugin keeps a server-side binding session id →
+  in ``request.plugin_state`` under that key, e.g. ``agent-identity`` or
+  ``session-id-producer``'s ``SessionIDDataKey/session-id-producer``, as llm-d's plugins
+  read its producer — first non-blank wins; default one header source ``x-session-id``). The plugin keeps a server-side binding session id →
   ``namespace/name`` of the endpoint that served it (the primary, or ``profileName``'s),
   refreshed by every request of the session and dropped when unused for
   ``evictionTtlSeconds`` (default 300; expired bindings are swept at most every

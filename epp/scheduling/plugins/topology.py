@@ -17,6 +17,13 @@ scorers, a hot rack spills over. ``mode: required`` also makes it a filter: cand
 sharing no level are dropped (the profile fails if none is left, and the handler falls
 back to decode-only). Without a decode endpoint in the cycle (aggregated serving) every
 candidate scores 0 and nothing is filtered.
+
+**llm-d's scoring** (llm-d-router v0.10.0 ``scheduling/scorer/topologyaffinity``): with
+``topologyProducerName`` set, or with neither ``levels`` nor ``mode`` set while the config
+declares a ``topology-extractor`` (llm-d's shipped configs), the scorer reads the
+extractor's topology instead of label levels and scores llm-d's tiers against the decode
+endpoint: same host 1.0, rack 0.2, zone 0.05, region 0.02, none 0 (a candidate or peer
+without topology scores 0).
 """
 
 from __future__ import annotations
@@ -28,8 +35,14 @@ from typing import Any
 from epp import keys
 from epp.errors import ConfigError
 from epp.framework.handle import PluginHandle
-from epp.framework.params import param
+from epp.framework.params import config_warning, param
 from epp.scheduling.plugins.pd import DECODE_ENDPOINT_KEY
+from epp.scheduling.plugins.topology_llmd import (
+    TOPOLOGY_EXTRACTOR,
+    Level,
+    TopologyExtractor,
+    compare,
+)
 from epp.scheduling.types import CycleState, Endpoint, LLMRequest
 
 DEFAULT_LEVELS: tuple[str, ...] = (
@@ -77,10 +90,16 @@ def _mode(raw: Any, path: str) -> str:
     return str(raw)
 
 
+#: llm-d's ``levelScores``.
+LLMD_LEVEL_SCORES: dict[Level, float] = {
+    Level.HOST: 1.0, Level.RACK: 0.2, Level.ZONE: 0.05, Level.REGION: 0.02, Level.NONE: 0.0}
+
+
 @dataclass(frozen=True)
 class TopologyAffinityParameters:
-    levels: tuple[str, ...] = param("levels", DEFAULT_LEVELS, parse=_levels)
-    mode: str = param("mode", "preferred", parse=_mode)
+    levels: tuple[str, ...] | None = param("levels", None, parse=_levels)
+    mode: str | None = param("mode", None, parse=_mode)
+    topology_producer_name: str = param("topologyProducerName", "")
 
 
 class TopologyAffinityScorer:
@@ -88,15 +107,35 @@ class TopologyAffinityScorer:
     Parameters = TopologyAffinityParameters
 
     def __init__(self, name: str, levels: Sequence[str] = DEFAULT_LEVELS,
-                 required: bool = False) -> None:
+                 required: bool = False, producer_name: str = "",
+                 label_levels_set: bool = True) -> None:
         self.name = name
         self.levels = tuple(tuple(k.strip() for k in lvl.split("+")) for lvl in levels)
         self.required = required
+        self.producer_name = producer_name
+        self._label_levels_set = label_levels_set
+        self.extractor: TopologyExtractor | None = None
 
     @classmethod
     def from_params(cls, name: str, params: TopologyAffinityParameters,
                     handle: PluginHandle) -> TopologyAffinityScorer:
-        return cls(name, params.levels, params.mode == "required")
+        if params.topology_producer_name and (params.levels or params.mode):
+            raise ConfigError(f"{name}: topologyProducerName (llm-d's scoring) cannot be "
+                              "combined with levels or mode (this project's label levels)")
+        return cls(name, params.levels or DEFAULT_LEVELS, params.mode == "required",
+                   params.topology_producer_name,
+                   label_levels_set=params.levels is not None or params.mode is not None)
+
+    def bind(self, handle: PluginHandle) -> None:
+        """llm-d's scoring when a topology-extractor is named, or declared and no label
+        levels are configured (module doc)."""
+        if self.producer_name:
+            self.extractor = handle.named(self.producer_name, TopologyExtractor)
+            if self.extractor is None:
+                config_warning(self.name, f"no {TOPOLOGY_EXTRACTOR} named "
+                               f"{self.producer_name!r}: every candidate scores 0")
+        elif not self._label_levels_set:
+            self.extractor = handle.named(TOPOLOGY_EXTRACTOR, TopologyExtractor)
 
     def _levels_of(self, state: CycleState, endpoints: Sequence[Endpoint]) -> list[int | None] | None:
         decode = state.get(DECODE_ENDPOINT_KEY)
@@ -106,11 +145,23 @@ class TopologyAffinityScorer:
 
     def score(self, state: CycleState, request: LLMRequest,
               endpoints: Sequence[Endpoint]) -> Sequence[float]:
+        if self.extractor is not None or self.producer_name:
+            return self._llmd_scores(state, endpoints)
         lv = self._levels_of(state, endpoints)
         if lv is None:
             return [0.0] * len(endpoints)
         n = len(self.levels)
         return [0.0 if i is None else (n - i) / n for i in lv]
+
+    def _llmd_scores(self, state: CycleState,
+                     endpoints: Sequence[Endpoint]) -> Sequence[float]:
+        ext = self.extractor
+        peer_ep = state.get(DECODE_ENDPOINT_KEY)
+        peer = (ext.topology(peer_ep)
+                if ext is not None and isinstance(peer_ep, Endpoint) else None)
+        if ext is None or peer is None:
+            return [0.0] * len(endpoints)
+        return [LLMD_LEVEL_SCORES[compare(peer, ext.topology(e))] for e in endpoints]
 
     def filter(self, state: CycleState, request: LLMRequest,
                endpoints: Sequence[Endpoint]) -> Sequence[Endpoint]:

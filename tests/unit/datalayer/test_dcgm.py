@@ -68,7 +68,7 @@ def test_source_defaults_and_url() -> None:
     ({"scheme": "ftp"}, "scheme: unsupported scheme 'ftp'"),
     ({"port": 0}, "port: expected a port number 1-65535, got 0"),
     ({"interval": "soon"}, "interval: expected a duration"),
-    ({"useNodeAddress": True}, "useNodeAddress: scraping the node address"),
+    ({"useNodeAddress": "yes"}, "useNodeAddress: expected true or false"),
 ])
 def test_source_rejects(params: dict[str, Any], fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment.replace("(", r"\(")):
@@ -212,7 +212,8 @@ async def test_gpu_config_loads_and_filters_the_busy_gpu(
     assert "port: 9400" in text
     parts = server(text.replace("port: 9400", f"port: {port}"), eps=[ep(1), ep(2), ep(3)])
     fake.util = {"127.0.0.1": 95.0, "127.0.0.2": 50.0, "127.0.0.3": 20.0}
-    assert parts.pollers is not None and parts.scraper is None  # no metrics source
+    # llm-d adds the metrics source beside the listed one (injectDefaults unset)
+    assert parts.pollers is not None and parts.scraper is not None
     parts.pollers.start()
     try:
         def polled() -> bool:

@@ -217,7 +217,7 @@ def test_quantity_formats_in_the_section() -> None:
                                 "quote it and add a unit"]),
     ({"defaultRequestTTL": "30"}, ["flowControl.defaultRequestTTL: '30' is not a duration"]),
     ({"maxByte": 1}, ["flowControl: unknown key(s) 'maxByte' (did you mean 'maxBytes'?)",
-                      "allowed: defaultPriorityBand, defaultRequestTTL, maxBytes"]),
+                      "allowed: defaultNegativePriorityBand, defaultPriorityBand, defaultRequestTTL"]),
     ({"priorityBands": [{"priority": 1, "fairnessPolicy": "x"}]},
      [("flowControl.priorityBands[0]: unknown key(s) 'fairnessPolicy' (did you mean "
       "'fairnessPolicyRef'?)")]),

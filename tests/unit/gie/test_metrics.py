@@ -442,7 +442,7 @@ async def test_registry_has_gie_names_types_labels_and_buckets() -> None:
             les = sorted({float(s.labels["le"]) for s in f.samples if s.name.endswith("_bucket")})
             assert les == sorted([*map(float, buckets), math.inf]), name
     # The GIE metrics this EPP registers, and no other name outside the project's epp_*.
-    gie_like = {n for n in fams if not n.startswith("epp_")}
+    gie_like = {n for n in fams if not n.startswith(("epp_", "llm_d_epp_"))}
     assert gie_like == set(GIE_METRICS)
 
 
@@ -457,7 +457,7 @@ async def test_flow_control_series_only_under_the_gate() -> None:
     flow_control = {n for n in GIE_METRICS if n.startswith("inference_extension_flow_control_")}
     assert len(flow_control) == 6
     assert not flow_control & set(fams)
-    assert {n for n in fams if not n.startswith("epp_")} == set(GIE_METRICS) - flow_control
+    assert {n for n in fams if not n.startswith(("epp_", "llm_d_epp_"))} == set(GIE_METRICS) - flow_control
 
 
 async def test_model_rewrite_decisions_and_objective_priority() -> None:

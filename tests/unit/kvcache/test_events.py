@@ -69,6 +69,7 @@ def test_older_shorter_arrays_decode() -> None:
     (msgpack.packb([1.0, [["BlockStored", [1], None]]]), "need at least 4 fields"),
     (msgpack.packb([1.0, [["BlockStored", ["x"], None, [1], 1, None]]]), "block_hashes"),
     (msgpack.packb([1.0, [["BlockStored", [1], None, ["a"], 1, None]]]), "token_ids"),
+    (msgpack.packb([1.0, [["BlockStored", [1], None, [-1], 1, None]]]), "non-negative 64-bit"),
     (msgpack.packb([1.0, [{"block_hashes": [1]}]]), '"type" tag'),
     (msgpack.packb(["now", []]), "ts is not a number"),
 ])

@@ -148,8 +148,25 @@ def test_literal_vllm_pickle() -> None:
     assert _vllm_literal(sha256, "42", list(range(1000, 1050)), 16) == B
 
 
-def test_llmd_request_keys_shape() -> None:
-    keys = hashing.llmd_request_keys(list(range(33)), 16, model_name="m")
-    assert len(keys) == 2 and all(0 <= k < 2**64 for k in keys)
-    assert keys != hashing.llmd_request_keys(list(range(33)), 16, model_name="other")
-    assert hashing.llmd_request_keys(list(range(32, 33)), 16) == []
+
+
+def test_request_keys_chain() -> None:
+    tokens = list(range(40))
+    keys = hashing.request_keys(tokens, 16, model_name="m")
+    assert len(keys) == 2 and all(0 <= k < 2**64 for k in keys)  # partial block not hashed
+    assert keys != hashing.request_keys(tokens, 16, model_name="other")
+    assert keys != hashing.request_keys(tokens, 16, model_name="m", hash_seed="42")
+    assert hashing.request_keys(list(range(32, 33)), 16) == []
+    # continuing from a parent key gives the same chain as hashing the whole sequence
+    assert hashing.request_keys(tokens[16:], 16, model_name="m", parent=keys[0]) == keys[1:]
+    # a block's key depends on every token before it, and on its extra inputs
+    changed = [*tokens[:3], 999, *tokens[4:]]
+    other = hashing.request_keys(changed, 16, model_name="m")
+    assert other[0] != keys[0] and other[1] != keys[1]
+    salted = hashing.request_keys(tokens, 16, model_name="m", extra=[[{"Hash": "s"}], None])
+    assert salted[0] != keys[0] and salted[1] != keys[1]
+    assert hashing.request_keys(tokens, 16, model_name="m", extra=[None, None]) == keys
+    with pytest.raises(ValueError, match="64 bits"):
+        hashing.request_keys([2**64] * 16, 16)
+    with pytest.raises(ValueError, match="greater than 0"):
+        hashing.request_keys(tokens, 0)

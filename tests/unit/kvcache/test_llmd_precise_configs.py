@@ -5,6 +5,7 @@ and tests/integration/test_precise_prefix.py cover the event path)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -125,9 +126,18 @@ def test_parameters_are_read() -> None:
     assert load_and_build(str(PRECISE)).plugins["precise-prefix-cache-producer"].block_size == 64  # type: ignore[attr-defined]  # the producer
 
 
-def test_burst_config_needs_a_plugin_of_other_work() -> None:
-    with pytest.raises(ConfigError, match="unknown plugin type 'burst-prefix-cache-producer'"):
-        load_and_build(str(BURST))
+async def test_burst_config_colocates_a_burst_of_one_prompt() -> None:
+    """token-producer -> burst-prefix-cache-producer -> prefix-cache-scorer: the requests
+    of one window sharing a prompt go to one pod; another prompt's group to another."""
+    parts = server(BURST)
+    scorer = parts.built.plugins["prefix-cache-scorer"]
+    assert isinstance(scorer, PrefixCacheScorer)
+    assert scorer.producer is parts.built.plugins["burst-prefix-cache-producer"]
+    other = "another prompt entirely " * 40
+    got = await asyncio.gather(*(route(parts, f"r{i}", body(PROMPT if i % 2 else other))
+                                 for i in range(6)))
+    first, second = set(got[1::2]), set(got[0::2])
+    assert len(first) == 1 and len(second) == 1 and first != second
 
 
 @pytest.mark.parametrize("path", [PRECISE, SIM_KVCACHE, SIM_TOKENIZER, None])

@@ -564,7 +564,9 @@ def test_gpu_config_loads_with_the_dcgm_source() -> None:
     tests/unit/datalayer/test_dcgm.py)."""
     built = load_and_build(str(GPU_CONFIG), strict=True)
     assert built.data_layer is not None
-    assert [e.source.type_name for e in built.data_layer.sources] == ["dcgm-data-source"]
+    # llm-d's loader adds metrics-data-source beside it (injectDefaults unset)
+    assert [e.source.type_name for e in built.data_layer.sources] == [
+        "dcgm-data-source", "metrics-data-source"]
 
 
 def gpu_config_without_dcgm() -> str:

@@ -4,6 +4,7 @@ Plugins and handlers import names from here; no string literal for an external k
 appears anywhere else (design.md §9, rule 6).
 """
 
+from collections.abc import Mapping
 from typing import Final
 
 # --- Request headers (input) ---
@@ -207,3 +208,25 @@ ENV_LATENCY_MAX_BULK_SIZE: Final = "LATENCY_MAX_BULK_SIZE"
 ENV_LATENCY_COALESCE_WINDOW_MS: Final = "LATENCY_COALESCE_WINDOW_MS"
 ENV_LATENCY_MAX_COALESCED_ROWS: Final = "LATENCY_MAX_COALESCED_ROWS"
 ENV_LATENCY_MAX_CONCURRENT_DISPATCHES: Final = "LATENCY_MAX_CONCURRENT_DISPATCHES"
+
+
+# llm-d-router v0.10.0 renamed these request headers (pkg/epp/metadata/consts.go) and reads
+# the new name first, then GIE's as a deprecated alias; so does this EPP (request_header).
+LLMD_HEADER_ALIASES: Final[dict[str, str]] = {
+    HEADER_OBJECTIVE: "x-llm-d-inference-objective",
+    HEADER_FAIRNESS_ID: "x-llm-d-inference-fairness-id",
+    HEADER_MODEL_REWRITE: "x-llm-d-model-name-rewrite",
+    HEADER_SLO_TTFT_MS: "x-llm-d-slo-ttft-ms",
+    HEADER_SLO_TPOT_MS: "x-llm-d-slo-tpot-ms",
+}
+
+
+def request_header(headers: Mapping[str, str], name: str) -> str | None:
+    """A request header by its GIE name: llm-d's new name for it first (when it has one),
+    then ``name`` itself (llm-d's ``GetLowerCaseHeaderValue``)."""
+    new = LLMD_HEADER_ALIASES.get(name)
+    if new is not None:
+        v = headers.get(new)
+        if v is not None:
+            return v
+    return headers.get(name)

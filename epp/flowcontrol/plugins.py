@@ -207,7 +207,7 @@ def received_time(item: QueueItemView) -> float:
 def slo_deadline(item: QueueItemView) -> float:
     """Received time + ``x-slo-ttft-ms`` milliseconds; infinity when the header is
     missing, empty, not an integer or negative (GIE's ``calculateSLODeadline``)."""
-    raw = item.request.headers.get(keys.HEADER_SLO_TTFT_MS)
+    raw = keys.request_header(item.request.headers, keys.HEADER_SLO_TTFT_MS)
     if not raw:
         return _INF
     text = raw.strip()

@@ -248,7 +248,7 @@ def set_outcome(request: LLMRequest, outcome: LatencyOutcome) -> None:
 def parse_slo_header(headers: Mapping[str, str], name: str) -> float:
     """A request's SLO header in ms: 0 when absent, when not a number (GIE logs that and
     goes on with 0), or not finite."""
-    raw = headers.get(name)
+    raw = keys.request_header(headers, name)
     if raw is None:
         return 0.0
     try:

@@ -761,7 +761,7 @@ def build_request(headers: Mapping[str, str], body: bytes, has_body: bool,
         incoming, api, prompt = parsed.model, parsed.api, parsed.prompt
     else:
         incoming, api, prompt = "", api_type_for_path(path), ""
-    target = headers.get(keys.HEADER_MODEL_REWRITE) or incoming
+    target = keys.request_header(headers, keys.HEADER_MODEL_REWRITE) or incoming
     if parsed is not None and parsed.data is not None and not target:
         raise BadRequest("model not found in request body")
     request = LLMRequest(
@@ -775,8 +775,8 @@ def build_request(headers: Mapping[str, str], body: bytes, has_body: bool,
         max_tokens=parsed.max_tokens if parsed else None,
         cache_salt=parsed.cache_salt if parsed else None,
         user=parsed.user if parsed else None,
-        objective=headers.get(keys.HEADER_OBJECTIVE),
-        fairness_id=headers.get(keys.HEADER_FAIRNESS_ID),
+        objective=keys.request_header(headers, keys.HEADER_OBJECTIVE),
+        fairness_id=keys.request_header(headers, keys.HEADER_FAIRNESS_ID),
         session_token=headers.get(keys.HEADER_SESSION_TOKEN),
     )
     if parsed is not None and parsed.data is not None:  # for token-producer (chat templates)

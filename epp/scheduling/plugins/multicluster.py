@@ -69,12 +69,6 @@ SCALAR = "ScalarMetricValue"
 # ----------------------------------------------------- multicluster-metrics-data-source
 
 
-def _file(value: Any, path: str) -> str:
-    if not isinstance(value, str):
-        raise ConfigError(f"{path}: expected a file path, got {value!r}")
-    return value
-
-
 def _any_port(value: Any, path: str) -> int | None:
     if value is None:
         return None
@@ -91,9 +85,9 @@ class MultiClusterMetricsDataSourceParameters:
     path: str = param("path", "/metrics", parse=_path)
     port: int | None = param("port", None, parse=_any_port)  # decoded, unused (llm-d)
     insecure_skip_verify: bool = param("insecureSkipVerify", False)
-    ca_cert_path: str = param("caCertPath", "", parse=_file)
-    client_cert_path: str = param("clientCertPath", "", parse=_file)
-    client_key_path: str = param("clientKeyPath", "", parse=_file)
+    ca_cert_path: str = param("caCertPath", "")
+    client_cert_path: str = param("clientCertPath", "")
+    client_key_path: str = param("clientKeyPath", "")
     interval_s: float | None = param("interval", None, parse=_interval)
 
 

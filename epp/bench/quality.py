@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,6 +41,7 @@ import aiohttp
 import yaml
 
 from epp.bench.ceiling import Replay, ceiling
+from epp.bench.tokenizer import trace_words, write_bench_tokenizer
 from epp.bench.traces import (
     OVERLOAD_WORKLOAD,
     WORKLOADS,
@@ -105,55 +106,59 @@ EPP_ROUTERS: Final[dict[str, str]] = {"epp": RESPONSE_PATH_LEAN, EPP_INLINE: RES
                                       EPP_OBSERVER: RESPONSE_PATH_OBSERVER}
 #: The EPP with precise prefix-cache routing (issue 15), behind the lean shape: its pods
 #: publish vLLM KV events (each on its HTTP port + N), and the EPP runs
-#: :data:`PRECISE_CONFIG` (or ``epp-precise=FILE``), with ``${TOKENIZE_URL}`` and
-#: ``${KV_EVENTS_PORT_OFFSET}`` (N) filled in. The token-producer calls ``/tokenize`` on
-#: one more ``epp sim`` that serves no traffic — the tokenizer sidecar of llm-d's
-#: deployments (its perf config runs a vLLM render server beside the EPP).
+#: :data:`PRECISE_CONFIG` (or ``epp-precise=FILE``), with ``${TOKENIZER_PATH}``,
+#: ``${KV_EVENTS_PORT_OFFSET}`` (N) and, when the file uses it, ``${TOKENIZE_URL}`` filled
+#: in. ``${TOKENIZER_PATH}`` is a ``tokenizer.json`` that tokenizes the bench's prompts as
+#: the simulators do (:mod:`epp.bench.tokenizer`), for the in-process backend — the
+#: model's own tokenizer beside a real vLLM; ``${TOKENIZE_URL}`` is ``/tokenize`` on one
+#: more ``epp sim`` that serves no traffic (llm-d's render-sidecar deployment).
 EPP_PRECISE: Final = "epp-precise"
 #: The built-in default config with the approximate producer replaced by the precise one
-#: (same scorers, same weights), speculative indexing on as llm-d's perf config, and the
-#: approximate producer's balance guard (``balanceAbsThreshold``, this project's).
-PRECISE_CONFIG: Final = f"""\
+#: (same scorers, same weights), speculative indexing on as llm-d's perf config, the
+#: approximate producer's balance guard (``balanceAbsThreshold``, this project's), and
+#: tokenization in process with the prefix store (``token-producer`` ``local``).
+PRECISE_CONFIG: Final = """\
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
 plugins:
 - type: token-producer
   parameters:
-    modelName: {MODEL}
-    vllm: {{url: "${{TOKENIZE_URL}}", timeout: 300ms}}
+    local:
+      path: "${TOKENIZER_PATH}"
+      prefixStore: {blockSize: 256, cacheSize: 500000, minPrefixOverlapRatio: 0.8}
 - type: endpoint-notification-source
 - type: metrics-data-source
 - type: core-metrics-extractor
 - type: precise-prefix-cache-producer
   parameters:
-    tokenProcessorConfig: {{blockSizeTokens: 16}}
+    tokenProcessorConfig: {blockSizeTokens: 16}
     speculativeIndexing: true
     balanceAbsThreshold: 4
     kvEventsConfig:
-      podDiscoveryConfig: {{endpointPortOffset: ${{KV_EVENTS_PORT_OFFSET}}}}
+      podDiscoveryConfig: {endpointPortOffset: ${KV_EVENTS_PORT_OFFSET}}
 - type: prefix-cache-scorer
-  parameters: {{prefixMatchInfoProducerName: precise-prefix-cache-producer}}
+  parameters: {prefixMatchInfoProducerName: precise-prefix-cache-producer}
 - type: active-request-scorer
 - type: no-hit-lru-scorer
-  parameters: {{prefixMatchInfoProducerName: precise-prefix-cache-producer}}
+  parameters: {prefixMatchInfoProducerName: precise-prefix-cache-producer}
 - type: queue-scorer
 - type: kv-cache-utilization-scorer
 - type: max-score-picker
 dataLayer:
   sources:
   - pluginRef: metrics-data-source
-    extractors: [{{pluginRef: core-metrics-extractor}}]
+    extractors: [{pluginRef: core-metrics-extractor}]
   - pluginRef: endpoint-notification-source
-    extractors: [{{pluginRef: precise-prefix-cache-producer}}]
+    extractors: [{pluginRef: precise-prefix-cache-producer}]
 schedulingProfiles:
 - name: default
   plugins:
-  - {{pluginRef: prefix-cache-scorer, weight: 3}}
-  - {{pluginRef: active-request-scorer, weight: 1}}
-  - {{pluginRef: no-hit-lru-scorer, weight: 1}}
-  - {{pluginRef: queue-scorer, weight: 1}}
-  - {{pluginRef: kv-cache-utilization-scorer, weight: 1}}
-  - {{pluginRef: max-score-picker}}
+  - {pluginRef: prefix-cache-scorer, weight: 3}
+  - {pluginRef: active-request-scorer, weight: 1}
+  - {pluginRef: no-hit-lru-scorer, weight: 1}
+  - {pluginRef: queue-scorer, weight: 1}
+  - {pluginRef: kv-cache-utilization-scorer, weight: 1}
+  - {pluginRef: max-score-picker}
 """
 
 
@@ -241,11 +246,12 @@ class Stack:
     def __init__(self, spec: RouterSpec, servers: int, sim_args: list[str], workdir: Path,
                  epp_args: Sequence[str] = (), *,
                  pod_args: Sequence[Sequence[str]] | None = None,
-                 share_processes: bool = False) -> None:
+                 share_processes: bool = False, words: Iterable[str] = ()) -> None:
         """``pod_args``: extra ``epp sim`` arguments per pod, after ``sim_args`` (e.g. a
         pod's own costs). ``share_processes``: pods with the same arguments run in one
         ``epp sim`` process (one engine and port each) instead of one process per pod,
-        which saves CPU and start-up time when there are many."""
+        which saves CPU and start-up time when there are many. ``words``: every word the
+        trace sends (the vocabulary of ``${TOKENIZER_PATH}`` for precise routers)."""
         if pod_args is not None and len(pod_args) != servers:
             raise ValueError(f"pod_args has {len(pod_args)} entries for {servers} pods")
         self.spec = spec
@@ -253,6 +259,7 @@ class Stack:
         self.sim_args = sim_args
         self.pod_args = [list(a) for a in pod_args] if pod_args else [[] for _ in range(servers)]
         self.share_processes = share_processes
+        self.words = words
         self.workdir = workdir
         self.epp_args = list(epp_args)
         self.ports = [free_port() for _ in range(servers)]
@@ -300,22 +307,27 @@ class Stack:
     async def _start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         events: list[str] = []
+        tok_port: int | None = None
         if self.spec.kv_events:
             events, offset = sim_kv_events_args(self.ports)
-            tok_port = free_port()
-            tokenizer = self._managed("tokenizer", [
-                sys.executable, "-m", "epp.cli", "sim", "--model", MODEL, *self.sim_args,
-                "--port", str(tok_port)])
-            await tokenizer.start()
             text = (Path(self.spec.config).read_text() if self.spec.config
                     else PRECISE_CONFIG)
+            values = {"KV_EVENTS_PORT_OFFSET": str(offset),
+                      "TOKENIZER_PATH": str(write_bench_tokenizer(self.workdir / "tokenizer",
+                                                                  self.words))}
+            if "${TOKENIZE_URL}" in text:  # tokenizing over HTTP: one more sim serves it
+                tok_port = free_port()
+                tokenizer = self._managed("tokenizer", [
+                    sys.executable, "-m", "epp.cli", "sim", "--model", MODEL, *self.sim_args,
+                    "--port", str(tok_port)])
+                await tokenizer.start()
+                values["TOKENIZE_URL"] = f"http://127.0.0.1:{tok_port}"
             try:
-                text = string.Template(text).substitute(
-                    TOKENIZE_URL=f"http://127.0.0.1:{tok_port}",
-                    KV_EVENTS_PORT_OFFSET=str(offset))
+                text = string.Template(text).substitute(values)
             except (KeyError, ValueError) as e:
-                raise ValueError(f"{self.spec.config}: only ${{TOKENIZE_URL}} and "
-                                 f"${{KV_EVENTS_PORT_OFFSET}} may be filled in ({e})") from None
+                raise ValueError(f"{self.spec.config}: only ${{TOKENIZER_PATH}}, "
+                                 f"${{TOKENIZE_URL}} and ${{KV_EVENTS_PORT_OFFSET}} may be "
+                                 f"filled in ({e})") from None
             precise_config = self.workdir / "precise.yaml"
             precise_config.write_text(text)
         batches: dict[tuple[str, ...], list[int]] = {}
@@ -328,7 +340,7 @@ class Stack:
             *(a for p in ports for a in ("--port", str(p)))]) for ports in batches.values()]
         await asyncio.gather(*(s.start() for s in sims))
         await asyncio.gather(*(wait_port("127.0.0.1", p, timeout=30) for p in self.ports))
-        if self.spec.kv_events:
+        if tok_port is not None:
             await wait_port("127.0.0.1", tok_port, timeout=30)
         addrs = [f"127.0.0.1:{p}" for p in self.ports]
         kind = self.spec.kind
@@ -893,6 +905,7 @@ async def run_bench(args: argparse.Namespace, log: Callable[[str], None] = print
     workdir = out_dir / "logs"
     log(f"  output in {out_dir}")
     rounds: dict[str, list[dict[str, Any]]] = {r.label: [] for r in routers}
+    vocabulary = trace_words(r.messages for r in trace)
     for k in range(args.repeat):
         order = routers[k % len(routers):] + routers[:k % len(routers)]
         for spec in order:
@@ -900,7 +913,8 @@ async def run_bench(args: argparse.Namespace, log: Callable[[str], None] = print
                 f"{args.servers} fresh pods + router")
             try:
                 async with Stack(spec, args.servers, sim_args,
-                                 workdir / f"{spec.label.replace(':', '-')}-{k}") as stack:
+                                 workdir / f"{spec.label.replace(':', '-')}-{k}",
+                                 words=vocabulary) as stack:
 
                     def progress(n: int, errors: int, t: float, label: str = spec.label) -> None:
                         if args.progress:

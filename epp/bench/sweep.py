@@ -53,6 +53,7 @@ from epp.bench.shapes import (
     plan,
     sweep_shapes,
 )
+from epp.bench.tokenizer import trace_words
 from epp.bench.traces import SimCosts
 
 ROUND_ROBIN: Final = "round-robin"
@@ -372,7 +373,8 @@ async def run_shape(pl: Plan, routers: Sequence[RouterSpec], *, index: int, drai
         try:
             async with Stack(spec, pl.shape.pods, pl.common_args,
                              workdir / f"{pl.shape.name}-{spec.label.replace(':', '-')}",
-                             pod_args=pl.pod_args, share_processes=True) as stack:
+                             pod_args=pl.pod_args, share_processes=True,
+                             words=trace_words(r.messages for r in pl.trace)) as stack:
 
                 def tick(n: int, errors: int, t: float, label: str = spec.label) -> None:
                     if progress:

@@ -48,6 +48,7 @@ or raw digest bytes; both decode to the 64-bit engine key llm-d uses
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -86,6 +87,18 @@ _REMOVED_FIELDS: Final = ("block_hashes", "medium", "group_idx")
 _REMOVED_REQUIRED: Final = 2
 
 
+_U64: Final = (1 << 64) - 1
+_INT: Final = frozenset({int})
+
+
+def engine_keys(hashes: Sequence[int | bytes]) -> list[int]:
+    """:func:`~epp.kvcache.hashing.engine_key` of each hash (ints, the common case, at
+    C speed)."""
+    if set(map(type, hashes)) <= _INT:
+        return [h & _U64 for h in hashes]  # type: ignore[operator]  # ints, checked above
+    return [engine_key(h) for h in hashes]
+
+
 class EventDecodeError(ValueError):
     """A frame or payload that is not a vLLM KV-event batch."""
 
@@ -109,7 +122,7 @@ class BlockStored:
 
     @property
     def engine_keys(self) -> list[int]:
-        return [engine_key(h) for h in self.block_hashes]
+        return engine_keys(self.block_hashes)
 
     @property
     def parent_engine_key(self) -> int | None:
@@ -124,7 +137,7 @@ class BlockRemoved:
 
     @property
     def engine_keys(self) -> list[int]:
-        return [engine_key(h) for h in self.block_hashes]
+        return engine_keys(self.block_hashes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +201,23 @@ def _hash(v: Any, what: str) -> int | bytes:
 def _hashes(v: Any, what: str) -> tuple[int | bytes, ...]:
     if not isinstance(v, list | tuple):
         raise EventDecodeError(f"{what}: expected an array, got {type(v).__name__}")
+    if set(map(type, v)) <= _INT:  # the common case, checked at C speed (bool is not int)
+        return tuple(v)
     return tuple(_hash(h, what) for h in v)
+
+
+
+def _token_ids(v: Any) -> tuple[int, ...]:
+    # array's conversion checks type and range in C (a negative id, one of 2**64 or more
+    # or a non-integer raises); it reads msgpack's true/false as 1/0, which no engine sends.
+    try:
+        if not isinstance(v, list | tuple):
+            raise TypeError
+        array("Q", v)
+    except (TypeError, OverflowError):
+        raise EventDecodeError(
+            "BlockStored: token_ids is not an array of non-negative 64-bit integers") from None
+    return tuple(v)
 
 
 def _opt_int(v: Any, what: str) -> int | None:
@@ -242,12 +271,7 @@ def decode_event(raw: Any) -> KVEvent:
     if tag == TAG_STORED:
         if len(f) < 5:
             raise EventDecodeError(f"BlockStored: need at least 4 fields, got {len(f) - 1}")
-        tokens = f[3]
-        if not isinstance(tokens, list | tuple) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**63 for t in tokens
-        ):
-            raise EventDecodeError(
-                "BlockStored: token_ids is not an array of non-negative 64-bit integers")
+        tokens = _token_ids(f[3])
         block_size = _opt_int(f[4], "BlockStored: block_size")
         if block_size is None:
             raise EventDecodeError("BlockStored: block_size is missing")
@@ -258,7 +282,7 @@ def decode_event(raw: Any) -> KVEvent:
         return BlockStored(
             block_hashes=_hashes(f[1], "BlockStored: block_hashes"),
             parent_block_hash=None if parent is None else _hash(parent, "BlockStored: parent_block_hash"),
-            token_ids=tuple(tokens),
+            token_ids=tokens,
             block_size=block_size,
             lora_id=_opt_int(_at(f, 5), "BlockStored: lora_id"),
             medium=_opt_str(_at(f, 6), "BlockStored: medium"),
@@ -284,7 +308,7 @@ def decode_event(raw: Any) -> KVEvent:
 def decode_batch(payload: bytes) -> KVEventBatch:
     """A ``KVEventBatch`` from its msgpack payload (array_like or map layout)."""
     try:
-        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=False)
     except (ValueError, TypeError, msgpack.UnpackException) as e:
         raise EventDecodeError(f"KV-event payload is not msgpack: {e}") from None
     if isinstance(raw, list | tuple):

@@ -333,9 +333,9 @@ def _root(hash_seed: str, model_name: str) -> int:
 
 def _token_bytes(token_ids: Sequence[int]) -> bytes:
     try:
-        return array("q", token_ids).tobytes()
-    except OverflowError:
-        raise ValueError("token ids must fit in 64 bits") from None
+        return array("Q", token_ids).tobytes()
+    except (OverflowError, TypeError):
+        raise ValueError("token ids must be non-negative 64-bit integers") from None
 
 
 def request_keys(

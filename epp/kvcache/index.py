@@ -164,8 +164,14 @@ class BlockIndex:
         counts: dict[str, int] = {}
         by_tier: dict[str, dict[str, int]] = {}
         alive: dict[str, set[str]] | None = None
-        for holders in self.lookup(keys, pods):
-            current = {p: m for p, m in holders.items() if alive is None or p in alive}
+        wanted = set(pods)
+        index = self._keys
+        for k in keys:  # (lookup, without copying the media sets: nothing here mutates them)
+            holders = index.get(k)
+            if not holders:
+                break
+            current = {p: m for p, m in holders.items()
+                       if p in wanted and (alive is None or p in alive)}
             if not current:
                 break
             nxt: dict[str, set[str]] = {}
@@ -236,6 +242,14 @@ class BlockIndex:
         if not engine or not rks:
             return
         m = self._engine.setdefault(pod, OrderedDict())
+        if len(engine) == len(rks):  # the engine's block size is the EPP's: one to one
+            move = m.move_to_end
+            for ek, rk in zip(engine, rks, strict=True):
+                m[ek] = (rk,)
+                move(ek)
+            while len(m) > self.max_blocks_per_pod:
+                m.popitem(last=False)
+            return
         n = max(len(engine), len(rks))
         mapping: dict[int, list[int]] = {}
         for i in range(n):
@@ -249,13 +263,20 @@ class BlockIndex:
             m.popitem(last=False)
 
     def _add(self, pod: str, rks: Iterable[int], medium: str) -> None:
-        entries = self._pod_entries.setdefault(pod, OrderedDict())
+        entries = self._pod_entries.get(pod)
+        if entries is None:
+            entries = self._pod_entries[pod] = OrderedDict()
+        keys = self._keys
+        admitted = 0
         for rk in rks:
-            holders = self._keys.get(rk)
-            if holders is None:
-                holders = self._keys[rk] = {}
-                if len(self._keys) > self.max_keys:
-                    self._drop_key(next(iter(self._keys)))
+            holders = keys.get(rk)
+            if holders is None:  # the common case: a block no pod held
+                keys[rk] = {pod: {medium}}
+                entries[(rk, medium)] = None
+                admitted += 1
+                if len(keys) > self.max_keys:
+                    self._drop_key(next(iter(keys)))
+                continue
             media = holders.get(pod)
             if media is None:
                 if len(holders) >= self.pods_per_key:
@@ -263,14 +284,18 @@ class BlockIndex:
                     for m in holders.pop(old):
                         self._pod_entries.get(old, OrderedDict()).pop((rk, m), None)
                         self.evictions += 1
-                media = holders[pod] = set()
+                holders[pod] = {medium}
+                entries[(rk, medium)] = None
+                admitted += 1
+                continue
             key = (rk, medium)
             if medium in media:
                 entries.move_to_end(key)
                 continue
             media.add(medium)
             entries[key] = None
-            self.admissions += 1
+            admitted += 1
+        self.admissions += admitted
         while len(entries) > self.max_blocks_per_pod:
             (rk, m), _ = entries.popitem(last=False)
             self._unhold(rk, pod, m)
@@ -301,16 +326,33 @@ class BlockIndex:
         if not emap:
             return
         entries = self._pod_entries.get(pod, OrderedDict())
+        keys = self._keys
+        evicted = 0
         for ek in engine_keys:
             rks = emap.get(ek)
             if not rks:
                 continue
-            for rk in rks:
+            held = False  # still held on another medium: keep the mapping
+            for rk in rks:  # (_unhold, inlined: this runs for every evicted block)
                 entries.pop((rk, medium), None)
-                self._unhold(rk, pod, medium)
-            holders_left = any(pod in self._keys.get(rk, {}) for rk in rks)
-            if not holders_left:
+                holders = keys.get(rk)
+                if not holders:
+                    continue
+                media = holders.get(pod)
+                if media is None:
+                    continue
+                if medium in media:
+                    media.discard(medium)
+                    evicted += 1
+                    if not media:
+                        del holders[pod]
+                        if not holders:
+                            del keys[rk]
+                        continue
+                held = True
+            if not held:
                 del emap[ek]
+        self.evictions += evicted
 
     def remove_keys(self, pod: str, request_keys: Iterable[int], medium: str) -> None:
         """Drop ``pod``'s entries for these request keys on ``medium``."""

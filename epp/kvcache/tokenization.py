@@ -21,6 +21,7 @@ render API, or the simulator).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import pathlib
 from collections.abc import Mapping, Sequence
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import aiohttp
+
+from epp.kvcache.prefix_store import TokenPrefixStore
 
 __all__ = [
     "EstimateTokenizer",
@@ -55,6 +58,15 @@ class TokenizedPrompt:
     token_ids: tuple[int, ...]
     cache_salt: str | None = None
     source: str = ""  # which backend produced them (for logs and tests)
+    #: When ``token_ids`` is only the prompt's leading part (the prefix store's partial
+    #: tokenization, :mod:`epp.kvcache.prefix_store`): the whole prompt's token count,
+    #: estimated from the share of its characters those ids cover. 0: the ids are whole.
+    estimated_total: int = 0
+
+    @property
+    def token_count(self) -> int:
+        """The prompt's token count (estimated when the ids are partial)."""
+        return self.estimated_total or len(self.token_ids)
 
 
 def chat_request(body: Mapping[str, Any] | None) -> bool:
@@ -183,8 +195,13 @@ class LocalTokenizer:
 
     name = "local"
 
-    def __init__(self, path: str, chat_template: str | None = None) -> None:
+    def __init__(self, path: str, chat_template: str | None = None,
+                 prefix_store: TokenPrefixStore | None = None,
+                 min_prefix_overlap: float = 0.8) -> None:
         from tokenizers import Tokenizer
+
+        self.prefix_store = prefix_store
+        self.min_prefix_overlap = min_prefix_overlap
 
         p = pathlib.Path(path)
         file = p / "tokenizer.json" if p.is_dir() else p
@@ -226,29 +243,48 @@ class LocalTokenizer:
             tools=body.get("tools"), documents=body.get("documents"),
             special=self.special, kwargs=body.get("chat_template_kwargs") or {})
 
-    async def tokenize(self, body: Mapping[str, Any] | None, prompt: str) -> list[int]:
+    def _text(self, body: Mapping[str, Any] | None, prompt: str) -> tuple[str | list[int], bool]:
+        """What to encode (or the ids the client gave) and whether to add special tokens."""
         if body is not None and chat_request(body):
-            text = self.render_chat(body)
             # vLLM's chat default: the template already carries the special tokens
-            return self.encode(text, bool(body.get("add_special_tokens", False)))
+            return self.render_chat(body), bool(body.get("add_special_tokens", False))
         p: Any = body.get("prompt", prompt) if body is not None else prompt
         if isinstance(p, list) and p and all(isinstance(t, int) for t in p):
-            return list(p)  # already token ids
+            return list(p), False  # already token ids
         if isinstance(p, list):
             p = p[0] if p else ""
         if not isinstance(p, str):
             p = prompt
-        add = bool(body.get("add_special_tokens", True)) if body is not None else True
-        return self.encode(p, add)
+        return p, bool(body.get("add_special_tokens", True)) if body is not None else True
+
+    async def tokenize(self, body: Mapping[str, Any] | None, prompt: str) -> list[int]:
+        text, add = self._text(body, prompt)
+        return text if isinstance(text, list) else self.encode(text, add)
+
+    def tokenize_prefix(self, body: Mapping[str, Any] | None, prompt: str) -> tuple[list[int], int]:
+        """With a prefix store: ``(ids, 0)`` for the whole prompt, or ``(leading ids,
+        estimated token count)`` when the store covers at least ``min_prefix_overlap`` of
+        the prompt's characters (no tokenizer call then)."""
+        text, add = self._text(body, prompt)
+        if isinstance(text, list):
+            return text, 0
+        store = self.prefix_store
+        if store is None:
+            return self.encode(text, add), 0
+        salt = int(add)
+        hit = store.lookup(text, salt)
+        if hit.covered and hit.coverage >= self.min_prefix_overlap:
+            return hit.token_ids, max(len(hit.token_ids), round(len(hit.token_ids) / hit.coverage))
+        enc = self._tok.encode(text, add_special_tokens=add)
+        ids: list[int] = enc.ids
+        store.add(text, ids, enc.offsets, salt)
+        return ids, 0
 
 
-def render_chat_template(template: str, messages: Sequence[Any], *,
-                         add_generation_prompt: bool = True,
-                         continue_final_message: bool = False,
-                         tools: Any = None, documents: Any = None,
-                         special: Mapping[str, str] | None = None,
-                         kwargs: Mapping[str, Any] | None = None) -> str:
-    """Render a Hugging Face chat template the way ``apply_chat_template`` does."""
+@functools.lru_cache(maxsize=16)
+def _compiled_template(template: str) -> Any:
+    """A chat template compiled once, in a sandboxed environment set up as
+    ``transformers``' (compile errors raise ``TemplateError`` and are not cached)."""
     from jinja2 import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -264,11 +300,23 @@ def render_chat_template(template: str, messages: Sequence[Any], *,
                                         extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
+    return env.from_string(template)
+
+
+def render_chat_template(template: str, messages: Sequence[Any], *,
+                         add_generation_prompt: bool = True,
+                         continue_final_message: bool = False,
+                         tools: Any = None, documents: Any = None,
+                         special: Mapping[str, str] | None = None,
+                         kwargs: Mapping[str, Any] | None = None) -> str:
+    """Render a Hugging Face chat template the way ``apply_chat_template`` does."""
+    from jinja2 import TemplateError
+
     try:
-        compiled = env.from_string(template)
-        text = compiled.render(messages=list(messages), tools=tools, documents=documents,
-                               add_generation_prompt=add_generation_prompt,
-                               **dict(special or {}), **dict(kwargs or {}))
+        text: str = _compiled_template(template).render(
+            messages=list(messages), tools=tools, documents=documents,
+            add_generation_prompt=add_generation_prompt,
+            **dict(special or {}), **dict(kwargs or {}))
     except TemplateError as e:
         raise TokenizeError(f"chat template: {e}") from None
     if continue_final_message and messages:

@@ -1,8 +1,10 @@
 """Precise prefix-cache routing through real Envoy (issue 15).
 
 Three ``epp sim`` pods on 127.0.0.1 publish vLLM KV events over ZMQ (each on its HTTP
-port + N: ``--kv-events-port-offset``), the EPP runs ``token-producer`` (the pods'
-``/tokenize``, whitespace words) → ``precise-prefix-cache-producer`` (dialling each
+port + N: ``--kv-events-port-offset``), the EPP runs ``token-producer`` (each test twice:
+the pods' ``/tokenize``, whitespace words; and in process, a ``tokenizer.json`` giving the
+simulator's ids with the prefix store on, so repeated system prompts take their ids from
+the store) → ``precise-prefix-cache-producer`` (dialling each
 endpoint on port + N: ``podDiscoveryConfig.endpointPortOffset``) → ``prefix-cache-scorer``.
 Pods are warmed *directly* (not through the EPP), so only the events can tell the EPP
 where a prefix lives: requests follow the pod that really holds the blocks, stop going
@@ -22,6 +24,7 @@ import orjson
 import pytest
 import pytest_asyncio
 
+from epp.bench.tokenizer import write_bench_tokenizer
 from epp.stack.procs import ManagedProcess, free_port, sim_kv_events_args
 from tests import polling
 from tests.integration.conftest import (
@@ -37,15 +40,27 @@ MODEL = "sim-model"
 SUB = "llm_d_router_epp_kv_cache"
 
 
-def _config(tokenize_port: int, offset: int) -> str:
+BACKENDS = ["vllm", "local"]
+
+
+def _tokenizer(backend: str, tokenize_port: int, workdir: Path) -> str:
+    if backend == "vllm":
+        return f'modelName: {MODEL}\n    vllm: {{url: "http://127.0.0.1:{tokenize_port}", timeout: 2s}}'
+    # every word the tests send through the EPP (warm-ups go to the pods directly)
+    words = {w for tag in ROUTED_TAGS for w in _system(f"{backend}-{tag}").split()}
+    words |= {w for i in range(3) for w in f"question {i} about it".split()}
+    path = write_bench_tokenizer(workdir / "tokenizer", words)
+    return f"local: {{path: {str(path)!r}, prefixStore: {{blockSize: 256}}}}"
+
+
+def _config(tokenizer: str, offset: int) -> str:
     return f"""\
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
 plugins:
 - type: token-producer
   parameters:
-    modelName: {MODEL}
-    vllm: {{url: "http://127.0.0.1:{tokenize_port}", timeout: 2s}}
+    {tokenizer}
 - type: endpoint-notification-source
 - type: metrics-data-source
 - type: core-metrics-extractor
@@ -100,12 +115,21 @@ async def pool(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Pool]:
     await p.stop()
 
 
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    name: str = request.param
+    return name
+
+
 @pytest_asyncio.fixture(scope="module")
-async def stack(pool: Pool, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
+async def stack(pool: Pool, backend: str,
+                tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
     assert pool.proc is not None
-    s = await start_stack("FULL_DUPLEX_STREAMED", Upstreams(pool.ports, pool.proc),
-                          tmp_path_factory.mktemp("precise-stack"), endpoint_ports=pool.ports,
-                          config=_config(pool.ports[0], pool.offset))
+    workdir = tmp_path_factory.mktemp(f"precise-stack-{backend}")
+    s = await start_stack("FULL_DUPLEX_STREAMED", Upstreams(pool.ports, pool.proc), workdir,
+                          endpoint_ports=pool.ports,
+                          config=_config(_tokenizer(backend, pool.ports[0], workdir),
+                                         pool.offset))
     yield s
     await stop_stack(s)
 
@@ -119,6 +143,11 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 def _body(system: str, question: str) -> bytes:
     return orjson.dumps({"model": MODEL, "max_tokens": 2, "messages": [
         {"role": "system", "content": system}, {"role": "user", "content": question}]})
+
+
+#: System prompts sent through the EPP (each test's tags, prefixed with the backend so the
+#: second backend's run finds the pods without them).
+ROUTED_TAGS = ["follow0", "follow1", "follow2", "evict", "restart-new"]
 
 
 def _system(tag: str) -> str:
@@ -163,10 +192,10 @@ async def _routes_to(stack: Stack, http: aiohttp.ClientSession, system: str, por
 
 
 async def test_requests_follow_the_pod_that_holds_the_blocks(
-        stack: Stack, pool: Pool, http: aiohttp.ClientSession) -> None:
+        stack: Stack, pool: Pool, backend: str, http: aiohttp.ClientSession) -> None:
     await eventually(lambda: _subscribed(stack, http), what="3 KV-event subscribers")
     for k, port in enumerate([pool.ports[1], pool.ports[2], pool.ports[0]]):
-        system = _system(f"follow{k}")
+        system = _system(f"{backend}-follow{k}")
         before = await _blocks(stack, http, port)
         await _warm(http, port, system)
         await eventually(lambda p=port, b=before: _grew(stack, http, p, b),
@@ -179,10 +208,10 @@ async def _grew(stack: Stack, http: aiohttp.ClientSession, port: int, before: fl
 
 
 async def test_after_eviction_requests_follow_the_blocks_elsewhere(
-        stack: Stack, pool: Pool, http: aiohttp.ClientSession) -> None:
+        stack: Stack, pool: Pool, backend: str, http: aiohttp.ClientSession) -> None:
     await eventually(lambda: _subscribed(stack, http), what="3 KV-event subscribers")
     _, b, c = pool.ports
-    system = _system("evict")
+    system = _system(f"{backend}-evict")
     await _warm(http, b, system)
     await eventually(lambda: _grew(stack, http, b, 0), what=f"sim-{b} indexed")
     await _routes_to(stack, http, system, b)
@@ -201,14 +230,14 @@ async def _empty(stack: Stack, http: aiohttp.ClientSession, port: int) -> bool:
 
 
 async def test_pods_restart_and_subscribers_reconnect(
-        stack: Stack, pool: Pool, http: aiohttp.ClientSession) -> None:
+        stack: Stack, pool: Pool, backend: str, http: aiohttp.ClientSession) -> None:
     await eventually(lambda: _subscribed(stack, http), what="3 KV-event subscribers")
     a, _, c = pool.ports
     # Several batches first: restarts are recognised by the sequence number going back,
     # so A's must be well above the few batches it publishes after the restart.
     for k in range(6):
         before = await _blocks(stack, http, a)
-        await _warm(http, a, _system(f"restart-old{k}"))
+        await _warm(http, a, _system(f"{backend}-restart-old{k}"))
         await eventually(lambda b=before: _grew(stack, http, a, b),
                          what=lambda: f"sim-{a} indexed")
     old = await _blocks(stack, http, a)
@@ -221,13 +250,13 @@ async def test_pods_restart_and_subscribers_reconnect(
     tries = iter(range(1000))
 
     async def restarted() -> bool:
-        await _warm(http, a, _system(f"restart-a{next(tries)}"))
+        await _warm(http, a, _system(f"{backend}-restart-a{next(tries)}"))
         await asyncio.sleep(0.2)
         return 10 <= await _blocks(stack, http, a) < old
 
     await eventually(restarted, interval=0.3, what=lambda: f"sim-{a}'s pre-restart entries "
                      f"dropped (had {old})")
-    system = _system("restart-new")
+    system = _system(f"{backend}-restart-new")
     await _warm(http, c, system)
     await _routes_to(stack, http, system, c)
 

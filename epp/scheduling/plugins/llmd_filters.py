@@ -224,7 +224,7 @@ def range_score(length: int, lo: int, hi: int) -> float:
 def context_length(request: LLMRequest) -> int:
     """The request's token count from token-producer; 0 when not tokenized."""
     tp = tokenized(request)
-    return 0 if tp is None else len(tp.token_ids)
+    return 0 if tp is None else tp.token_count
 
 
 @dataclass(frozen=True)

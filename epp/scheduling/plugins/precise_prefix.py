@@ -443,7 +443,12 @@ class PrecisePrefixCacheProducer:
         tp = tokenized(request)
         if tp is None:
             return []
-        keys = self.index.request_keys(tp.token_ids, request.target_model, tp.cache_salt)
+        try:
+            keys = self.index.request_keys(tp.token_ids, request.target_model, tp.cache_salt)
+        except ValueError as e:  # ids a client sent itself (a completions prompt of ids)
+            log.warning("%s: request %s: no precise prefix match: %s", self.name,
+                        request.request_id, e)
+            keys = []
         request.plugin_state[self.name] = keys
         return keys
 
@@ -456,7 +461,11 @@ class PrecisePrefixCacheProducer:
         self.lookups += 1
         if scores:
             self.lookup_hits += 1
-        return PrefixMatch(len(keys), {k: int(v) for k, v in scores.items()}, counts, tiers,
+        # Partial ids (token-producer's prefix store) cover the prompt's leading blocks; the
+        # total is the whole prompt's, estimated.
+        tp = tokenized(request)
+        total = len(keys) if tp is None else max(len(keys), tp.token_count // self.block_size)
+        return PrefixMatch(total, {k: int(v) for k, v in scores.items()}, counts, tiers,
                            self.block_size)
 
     async def prepare_request_data(self, request: LLMRequest,
@@ -519,16 +528,23 @@ class PrecisePrefixCacheProducer:
         keys = self.block_keys(request)
         if not keys:
             return
-        chosen = [e.key for prof in result.profile_results.values() if prof is not None
-                  for e in prof.endpoints[:1]]
-        for pod in dict.fromkeys(chosen):
-            self.index.add(pod, keys, SPECULATIVE)
-        ttl = self.params.speculative_ttl
+        chosen = list(dict.fromkeys(e.key for prof in result.profile_results.values()
+                                    if prof is not None for e in prof.endpoints[:1]))
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
+            self._speculate(None, chosen, keys)
             return
-        loop.call_later(ttl, self._expire, list(dict.fromkeys(chosen)), keys)
+        # Off the decision's path: the next turn of the loop, after the answer is handed
+        # to gRPC (a few hundred blocks cost ~0.1 ms per pod to index).
+        loop.call_soon(self._speculate, loop, chosen, keys)
+
+    def _speculate(self, loop: asyncio.AbstractEventLoop | None, pods: list[str],
+                   keys: list[int]) -> None:
+        for pod in pods:
+            self.index.add(pod, keys, SPECULATIVE)
+        if loop is not None:
+            loop.call_later(self.params.speculative_ttl, self._expire, pods, keys)
 
     def _expire(self, pods: list[str], keys: list[int]) -> None:
         for pod in pods:

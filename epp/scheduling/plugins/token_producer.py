@@ -12,10 +12,14 @@ mmTimeout (30s)}`` — the model server's ``/v1/completions/render`` and
 (the byte-packing estimate, llm-d's default when no backend is set; its image/video
 tunables have no effect here: text only). Backend selection as llm-d: ``vllm`` or
 ``modelName`` → HTTP; otherwise ``estimate``. ``udsTokenizerConfig`` (llm-d's deprecated
-gRPC sidecar) is refused with the fix. This project adds ``local: {path, chatTemplate}``:
-a Hugging Face ``tokenizers`` ``tokenizer.json`` (file or directory, with its
-``tokenizer_config.json``) run in process, chat templates rendered with jinja2 as
-``transformers`` does. The legacy type name ``tokenizer`` is accepted with a warning.
+gRPC sidecar) is refused with the fix. This project adds ``local: {path, chatTemplate,
+prefixStore}``: a Hugging Face ``tokenizers`` ``tokenizer.json`` (file or directory, with
+its ``tokenizer_config.json``) run in process, chat templates rendered with jinja2 as
+``transformers`` does; with ``prefixStore: {blockSize (256 characters), cacheSize
+(500,000 blocks), minPrefixOverlapRatio (0.8)}`` a prompt whose leading text was tokenized
+before takes its leading ids from an LRU store instead of the tokenizer
+(:mod:`epp.kvcache.prefix_store`; the ids are then partial and the token count an
+estimate). The legacy type name ``tokenizer`` is accepted with a warning.
 
 The tokens live in ``request.plugin_state["TokenizedPrompt"]``
 (:class:`~epp.kvcache.tokenization.TokenizedPrompt`). The chat body comes from the
@@ -42,6 +46,7 @@ from epp.framework.params import (
     positive_duration,
     report_unknown,
 )
+from epp.kvcache.prefix_store import TokenPrefixStore
 from epp.kvcache.tokenization import (
     EstimateTokenizer,
     HttpTokenizer,
@@ -68,9 +73,24 @@ class VLLMParameters:
 
 
 @dataclass(frozen=True)
+class PrefixStoreParameters:
+    """The local backend's prefix store (llm-d-kv-cache-manager's ``prefixstore`` names)."""
+
+    block_size: int = param("blockSize", 256, minimum=1)
+    cache_size: int = param("cacheSize", 500_000, minimum=1)
+    min_prefix_overlap_ratio: float = param("minPrefixOverlapRatio", 0.8, minimum=0.0,
+                                            maximum=1.0)
+
+
+def _prefix_store(v: Any, path: str) -> PrefixStoreParameters:
+    return decode_params(PrefixStoreParameters, v, path)
+
+
+@dataclass(frozen=True)
 class LocalParameters:
     path: str = param("path", "")
     chat_template: str | None = param("chatTemplate", None)
+    prefix_store: PrefixStoreParameters | None = param("prefixStore", None, parse=_prefix_store)  # noqa: RUF009 -- param() is the framework's field(); frozen default
 
 
 def _vllm(v: Any, path: str) -> VLLMParameters:
@@ -124,8 +144,12 @@ class TokenProducer:
             if params.vllm is not None or params.estimate is not None:
                 raise ConfigError(f"{name}: set one tokenizer backend: 'local', 'vllm' or "
                                   "'estimate'")
+            ps = params.local.prefix_store
             try:
-                backend = LocalTokenizer(params.local.path, params.local.chat_template)
+                backend = LocalTokenizer(
+                    params.local.path, params.local.chat_template,
+                    None if ps is None else TokenPrefixStore(ps.block_size, ps.cache_size),
+                    1.0 if ps is None else ps.min_prefix_overlap_ratio)
             except Exception as e:  # noqa: BLE001 -- tokenizers raises bare Exception
                 raise ConfigError(f"{name}.local.path: cannot load the tokenizer from "
                                   f"{params.local.path!r}: {e}") from None
@@ -144,16 +168,21 @@ class TokenProducer:
         if TOKENIZED_PROMPT in request.plugin_state:
             return
         body = request.plugin_state.get(keys.PLUGIN_STATE_REQUEST_BODY)
+        backend = self.backend
+        estimated_total = 0
         try:
-            ids = await with_budget(self.backend.tokenize(body, request.prompt),
-                                    PREPARE_DATA_TIMEOUT_S)
+            if isinstance(backend, LocalTokenizer) and backend.prefix_store is not None:
+                ids, estimated_total = backend.tokenize_prefix(body, request.prompt)
+            else:
+                ids = await with_budget(backend.tokenize(body, request.prompt),
+                                        PREPARE_DATA_TIMEOUT_S)
         except TokenizeError as e:
             self.failures += 1
             log.warning("%s: request %s not tokenized: %s", self.name, request.request_id, e)
             return
         if ids:
             request.plugin_state[TOKENIZED_PROMPT] = TokenizedPrompt(
-                tuple(ids), request.cache_salt, self.backend.name)
+                tuple(ids), request.cache_salt, backend.name, estimated_total)
 
     async def start_background(self) -> None:
         return None

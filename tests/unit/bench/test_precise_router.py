@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import string
+from pathlib import Path
 
 import pytest
 
 from epp.bench.quality import PRECISE_CONFIG, parse_routers, verdicts
+from epp.bench.tokenizer import write_bench_tokenizer
 from epp.config.loader import load_and_build
+from epp.kvcache.tokenization import LocalTokenizer
+
+PRECISE_APPROX = Path(__file__).parents[3] / "config/examples/precise-approx-bench.yaml"
 
 
 def test_parse() -> None:
@@ -19,12 +24,15 @@ def test_parse() -> None:
         parse_routers("nope", None)
 
 
-def test_builtin_config_loads() -> None:
-    text = string.Template(PRECISE_CONFIG).substitute(
-        TOKENIZE_URL="http://127.0.0.1:1", KV_EVENTS_PORT_OFFSET="-1234")
+@pytest.mark.parametrize("config", [PRECISE_CONFIG, PRECISE_APPROX.read_text()])
+def test_bench_configs_load(config: str, tmp_path: Path) -> None:
+    text = string.Template(config).substitute(
+        TOKENIZER_PATH=str(write_bench_tokenizer(tmp_path, ['abc'])), KV_EVENTS_PORT_OFFSET="-1234")
     built = load_and_build(text=text, strict=True)
     prod = built.plugins["precise-prefix-cache-producer"]
     assert prod.params.kv_events.pod_discovery.endpoint_port_offset == -1234  # type: ignore[attr-defined]  # the producer
+    tok = built.plugins["token-producer"].backend  # type: ignore[attr-defined]  # the producer
+    assert isinstance(tok, LocalTokenizer) and tok.prefix_store is not None
 
 
 def _m(p90: float, hit: float) -> dict[str, float]:

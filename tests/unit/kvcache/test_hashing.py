@@ -166,7 +166,8 @@ def test_request_keys_chain() -> None:
     salted = hashing.request_keys(tokens, 16, model_name="m", extra=[[{"Hash": "s"}], None])
     assert salted[0] != keys[0] and salted[1] != keys[1]
     assert hashing.request_keys(tokens, 16, model_name="m", extra=[None, None]) == keys
-    with pytest.raises(ValueError, match="64 bits"):
-        hashing.request_keys([2**64] * 16, 16)
+    for bad in (2**64, -1, 1.5):
+        with pytest.raises(ValueError, match="non-negative 64-bit"):
+            hashing.request_keys([bad] * 16, 16)
     with pytest.raises(ValueError, match="greater than 0"):
         hashing.request_keys(tokens, 0)

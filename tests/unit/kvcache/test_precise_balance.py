@@ -30,3 +30,37 @@ def test_guard_marks_the_overloaded_endpoint() -> None:
     assert prod.hot(_eps()) == set()
     prod.endpoint_removed("127.0.0.1:2")
     assert "127.0.0.1:2" not in prod.inflight
+
+
+def test_token_ids_a_client_sent_that_cannot_be_keyed_match_nothing() -> None:
+    from epp.kvcache.tokenization import TokenizedPrompt
+    from epp.scheduling.plugins.token_producer import TOKENIZED_PROMPT
+    from epp.scheduling.types import ApiType, LLMRequest
+
+    prod = PrecisePrefixCacheProducer("p")
+    for ids, want in (((-1,) * 32, 0), ((2**64,) * 32, 0), ((7,) * 32, 2)):
+        r = LLMRequest("r", "m", "m", ApiType.COMPLETIONS, "", {})
+        r.plugin_state[TOKENIZED_PROMPT] = TokenizedPrompt(ids)
+        assert len(prod.block_keys(r)) == want  # 16-token blocks; bad ids: no keys, no crash
+
+
+async def test_speculative_entries_follow_the_decision_and_expire() -> None:
+    import asyncio
+
+    from epp.kvcache.tokenization import TokenizedPrompt
+    from epp.scheduling.plugins.token_producer import TOKENIZED_PROMPT
+    from epp.scheduling.types import ApiType, LLMRequest, ProfileRunResult, SchedulingResult
+
+    prod = PrecisePrefixCacheProducer("p", decode_params(
+        PrecisePrefixParameters, {"speculativeIndexing": True, "speculativeTTL": "200ms"},
+        "p"))
+    r = LLMRequest("r", "m", "m", ApiType.COMPLETIONS, "", {})
+    r.plugin_state[TOKENIZED_PROMPT] = TokenizedPrompt(tuple(range(64)))
+    eps = _eps()
+    prod.pre_request(r, SchedulingResult({"default": ProfileRunResult((eps[1],))}, "default"))
+    keys = prod.block_keys(r)
+    assert len(keys) == 4
+    await asyncio.sleep(0)  # indexed on the loop's next turn
+    assert prod.index.longest_prefix(keys, [e.key for e in eps])[1] == {eps[1].key: 4}
+    await asyncio.sleep(0.3)
+    assert prod.index.longest_prefix(keys, [e.key for e in eps])[1] == {}

@@ -21,6 +21,7 @@ what prefix-cache lookups need (only whole leading blocks are matched), not a to
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -52,12 +53,19 @@ class TokenPrefixStore:
             raise ValueError("block size and capacity must be positive")
         self.block_chars = block_chars
         self.capacity = capacity
-        self._blocks: OrderedDict[int, tuple[int, ...]] = OrderedDict()
+        # block key -> the ids of the tokens that end in it, packed as uint32 (a
+        # tokenizer's ids): ~4 bytes per token instead of ~40 for a tuple of ints
+        self._blocks: OrderedDict[int, bytes] = OrderedDict()
         self.hits = 0
         self.misses = 0
 
     def __len__(self) -> int:
         return len(self._blocks)
+
+    def memory_bytes(self) -> int:
+        """An estimate of the store's size: each block's packed ids plus ~150 bytes of
+        bytes-object and ordered-dict overhead."""
+        return sum(len(b) + 150 for b in self._blocks.values())
 
     def _keys(self, text: str, n: int, salt: int) -> list[int]:
         b = self.block_chars
@@ -81,21 +89,22 @@ class TokenPrefixStore:
         ``salt`` separates tokenizations of the same text that differ (special tokens
         added or not)."""
         n = len(text) // self.block_chars
-        ids: list[int] = []
-        matched = 0
-        last_len = 0
+        parts: list[bytes] = []
         blocks = self._blocks
         for key in self._keys(text, n, salt):
             entry = blocks.get(key)
             if entry is None:
                 break
             blocks.move_to_end(key)
-            last_len = len(entry)
-            ids.extend(entry)
-            matched += 1
+            parts.append(entry)
+        matched = len(parts)
+        ids: list[int] = []
         if matched:
-            del ids[len(ids) - last_len:]  # the parting block may be cut differently
+            parts.pop()  # the parting block may be cut differently
             matched -= 1
+            packed = array("I")
+            packed.frombytes(b"".join(parts))
+            ids = packed.tolist()
         covered = matched * self.block_chars
         if matched:
             self.hits += 1
@@ -124,7 +133,11 @@ class TokenPrefixStore:
         if m == 0:  # no token spans text
             m = len(offsets)
         bounds = [bisect_right(offsets, (i + 1) * b, 0, m, key=_end) for i in range(n)]
-        per_block = [tuple(ids[lo:hi]) for lo, hi in zip([0, *bounds], bounds, strict=False)]
+        try:
+            per_block = [array("I", ids[lo:hi]).tobytes()
+                         for lo, hi in zip([0, *bounds], bounds, strict=False)]
+        except OverflowError:  # an id beyond 32 bits: no tokenizer's; not stored
+            return
         blocks = self._blocks
         for key, block_ids in zip(self._keys(text, n, salt), per_block, strict=True):
             blocks[key] = block_ids

@@ -59,6 +59,7 @@ from epp.server.listeners import (
     host_port,
 )
 from epp.server.llmd_flags import check_cipher_suites_applied, watch_metrics_cert
+from epp.server.loop import tune_gc
 from epp.server.metrics_auth import BearerToken, KubernetesAuth, MetricsAuth
 from epp.server.metrics_http import metrics_app, serve_metrics
 from epp.server.options import (
@@ -403,6 +404,7 @@ async def serve_forever(options: ServeOptions, stop_event: asyncio.Event,
     ``stop_now`` (a second SIGTERM/SIGINT) cuts the drain short."""
     server = EppServer(options)
     await server.start()
+    tune_gc()
     stop_now = stop_now if stop_now is not None else asyncio.Event()
     try:
         await stop_event.wait()

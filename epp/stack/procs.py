@@ -7,6 +7,7 @@ each :class:`ManagedProcess` owns exactly one child and its log file.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import random
@@ -37,25 +38,42 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
+#: Ports :func:`free_port` returned lately (oldest first), not to be returned again.
+_handed_out_order: collections.deque[int] = collections.deque(maxlen=2048)
+_handed_out: set[int] = set()
+
+
+def _remember(port: int) -> None:
+    if len(_handed_out_order) == _handed_out_order.maxlen:
+        _handed_out.discard(_handed_out_order[0])
+    _handed_out_order.append(port)
+    _handed_out.add(port)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """Return a TCP port that was free on ``host`` a moment ago.
 
     Ports are drawn at random from *below* the kernel's ephemeral range (10000 up to its
     start), so the outgoing connections every process keeps opening (scrapers, clients)
     cannot take a port between this call and the caller's bind — with ``bind(0)`` they
-    could, and did. Another process may still bind the port first; callers that need
-    certainty must retry on ``EADDRINUSE``.
+    could, and did. A port this process handed out recently is never handed out again
+    (a stack asks for several ports before anything binds them: two equal draws gave
+    Envoy a port the EPP bound first). Another process may still bind the port first;
+    callers that need certainty must retry on ``EADDRINUSE``.
     """
     lo, _ = _ephemeral_range()
     top = max(lo - 1, 11000)
     for _ in range(200):
         port = random.randint(10000, top)
+        if port in _handed_out:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind((host, port))
             except OSError:
                 continue
-            return port
+        _remember(port)
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         fallback: int = sock.getsockname()[1]

@@ -170,3 +170,13 @@ def test_bad_prefix_store_parameters(bpe: Tokenizer, tmp_path: Path, store: str,
     bpe.save(str(tmp_path / "tokenizer.json"))
     with pytest.raises(ConfigError, match=error):
         load_and_build(text=CONFIG.format(path=tmp_path, store=store), strict=True)
+
+
+def test_memory_estimate_and_ids_beyond_32_bits() -> None:
+    store = TokenPrefixStore(block_chars=4)
+    t = "abcdefgh"
+    store.add(t, [1, 2], [(0, 4), (4, 8)])
+    assert len(store) == 2 and store.memory_bytes() == 2 * (4 + 150)
+    other = TokenPrefixStore(block_chars=4)
+    other.add(t, [2**40, 2], [(0, 4), (4, 8)])  # not a tokenizer's id: nothing stored
+    assert len(other) == 0

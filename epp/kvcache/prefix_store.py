@@ -43,6 +43,9 @@ class PrefixLookup:
     """Characters of the prompt those ids cover (a multiple of the block size)."""
     coverage: float
     """``covered / len(text)`` (1.0 for an empty text)."""
+    token_end: int = 0
+    """Where the last of those tokens ends (a character offset; 0 without ids): the
+    rest of the prompt, ``text[token_end:]``, is what a tail tokenization encodes."""
 
 
 class TokenPrefixStore:
@@ -63,8 +66,8 @@ class TokenPrefixStore:
         return len(self._blocks)
 
     def memory_bytes(self) -> int:
-        """An estimate of the store's size: each block's packed ids plus ~150 bytes of
-        bytes-object and ordered-dict overhead."""
+        """An estimate of the store's size: each block's packed ids and end offset plus
+        ~150 bytes of bytes-object and ordered-dict overhead."""
         return sum(len(b) + 150 for b in self._blocks.values())
 
     def _keys(self, text: str, n: int, salt: int) -> list[int]:
@@ -99,32 +102,38 @@ class TokenPrefixStore:
             parts.append(entry)
         matched = len(parts)
         ids: list[int] = []
+        token_end = 0
         if matched:
             parts.pop()  # the parting block may be cut differently
             matched -= 1
-            packed = array("I")
-            packed.frombytes(b"".join(parts))
-            ids = packed.tolist()
-        covered = matched * self.block_chars
         if matched:
+            token_end = int.from_bytes(parts[-1][-4:], "little")
+            packed = array("I")
+            packed.frombytes(b"".join(p[:-4] for p in parts))
+            ids = packed.tolist()
             self.hits += 1
         else:
             self.misses += 1
-        return PrefixLookup(ids, covered, covered / len(text) if text else 1.0)
+        covered = matched * self.block_chars
+        return PrefixLookup(ids, covered, covered / len(text) if text else 1.0, token_end)
 
     def add(self, text: str, ids: Sequence[int], offsets: Sequence[tuple[int, int]],
-            salt: int = 0) -> None:
+            salt: int = 0, first_block: int = 0) -> None:
         """Record a tokenization of ``text``: ``ids[j]`` spans ``offsets[j]`` (character
-        offsets, end exclusive; special tokens the tokenizer adds span ``(0, 0)``). Only
-        whole blocks are stored."""
+        offsets into ``text``, end exclusive; special tokens the tokenizer adds span
+        ``(0, 0)``). Only whole blocks are stored. ``first_block``: the tokens given are
+        those ending in that block or later (a tail tokenization after a lookup); the
+        blocks before it are left as they are."""
         b = self.block_chars
         n = len(text) // b
-        if n == 0:
+        if n <= first_block:
             return
         # Token j belongs to the block its end offset falls in; the ends ascend, so each
         # block's tokens are one slice, found by bisection. Special tokens the tokenizer
         # adds span (0, 0): before the text they fall in block 0; after it (a trailing
-        # EOS) they end the text and are left out.
+        # EOS) they end the text and are left out. Each entry is the block's ids packed
+        # as uint32 and, last, where its last token ends (the previous block's end when
+        # none ends in it).
         if len(ids) != len(offsets):
             raise ValueError(f"{len(ids)} token ids for {len(offsets)} offsets")
         m = len(offsets)
@@ -132,15 +141,18 @@ class TokenPrefixStore:
             m -= 1
         if m == 0:  # no token spans text
             m = len(offsets)
-        bounds = [bisect_right(offsets, (i + 1) * b, 0, m, key=_end) for i in range(n)]
+        bounds = [bisect_right(offsets, (i + 1) * b, 0, m, key=_end)
+                  for i in range(first_block, n)]
         try:
-            per_block = [array("I", ids[lo:hi]).tobytes()
-                         for lo, hi in zip([0, *bounds], bounds, strict=False)]
+            entries = [array("I", ids[lo:hi]).tobytes()
+                       + (offsets[hi - 1][1] if hi else 0).to_bytes(4, "little")
+                       for lo, hi in zip([0, *bounds], bounds, strict=False)]
         except OverflowError:  # an id beyond 32 bits: no tokenizer's; not stored
             return
         blocks = self._blocks
-        for key, block_ids in zip(self._keys(text, n, salt), per_block, strict=True):
-            blocks[key] = block_ids
+        keys = self._keys(text, n, salt)[first_block:]
+        for key, entry in zip(keys, entries, strict=True):
+            blocks[key] = entry
             blocks.move_to_end(key)
         while len(blocks) > self.capacity:
             blocks.popitem(last=False)

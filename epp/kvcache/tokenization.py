@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import pathlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from epp.kvcache.prefix_store import TokenPrefixStore
+from epp.kvcache.prefix_store import PrefixLookup, TokenPrefixStore
 
 __all__ = [
     "EstimateTokenizer",
@@ -41,6 +42,11 @@ __all__ = [
     "TokenizerBackend",
     "chat_request",
 ]
+
+log = logging.getLogger(__name__)
+
+#: How many tail tokenizations the local backend checks against whole ones first.
+TAIL_CHECKS = 16
 
 COMPLETIONS_RENDER_PATH = "/v1/completions/render"
 CHAT_RENDER_PATH = "/v1/chat/completions/render"
@@ -202,6 +208,8 @@ class LocalTokenizer:
 
         self.prefix_store = prefix_store
         self.min_prefix_overlap = min_prefix_overlap
+        #: Tail tokenizations still to check against whole ones (-1: tails are off).
+        self._tail_checks = TAIL_CHECKS
 
         p = pathlib.Path(path)
         file = p / "tokenizer.json" if p.is_dir() else p
@@ -275,10 +283,40 @@ class LocalTokenizer:
         hit = store.lookup(text, salt)
         if hit.covered and hit.coverage >= self.min_prefix_overlap:
             return hit.token_ids, max(len(hit.token_ids), round(len(hit.token_ids) / hit.coverage))
+        if hit.token_ids and self._tail_checks >= 0:
+            ids = self._tail(text, add, salt, hit)
+            if ids is not None:
+                return ids, 0
         enc = self._tok.encode(text, add_special_tokens=add)
-        ids: list[int] = enc.ids
+        ids = enc.ids
         store.add(text, ids, enc.offsets, salt)
         return ids, 0
+
+    def _tail(self, text: str, add: bool, salt: int, hit: PrefixLookup) -> list[int] | None:
+        """The whole prompt's ids as the stored prefix's plus the rest's, tokenized on its
+        own from where the prefix's last token ends — the same ids as tokenizing it all
+        for tokenizers that cut there the same way either side (byte-level BPEs,
+        Metaspace and word-level pre-tokenizers; not a normalizer that prepends a marker
+        to any text it is given, as Llama 2's ``Prepend("▁")``). The first
+        ``TAIL_CHECKS`` are checked against a whole tokenization; one difference turns
+        tails off for good (logged)."""
+        assert self.prefix_store is not None
+        start = hit.token_end
+        enc = self._tok.encode(text[start:], add_special_tokens=False)
+        ids: list[int] = hit.token_ids + enc.ids
+        if self._tail_checks > 0:
+            whole: list[int] = self._tok.encode(text, add_special_tokens=add).ids
+            if whole != ids:
+                self._tail_checks = -1
+                log.warning("local tokenizer: tokenizing a prompt's rest on its own gives "
+                            "other ids than the whole prompt's; the prefix store now serves "
+                            "only prompts it covers (minPrefixOverlapRatio)")
+                return None
+            self._tail_checks -= 1
+        first = hit.covered // self.prefix_store.block_chars
+        self.prefix_store.add(text, enc.ids, [(a + start, e + start) for a, e in enc.offsets],
+                              salt, first_block=first)
+        return ids
 
 
 @functools.lru_cache(maxsize=16)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from epp import keys
 from epp.config.loader import load_and_build
@@ -176,7 +176,53 @@ def test_memory_estimate_and_ids_beyond_32_bits() -> None:
     store = TokenPrefixStore(block_chars=4)
     t = "abcdefgh"
     store.add(t, [1, 2], [(0, 4), (4, 8)])
-    assert len(store) == 2 and store.memory_bytes() == 2 * (4 + 150)
+    assert len(store) == 2 and store.memory_bytes() == 2 * (4 + 4 + 150)
     other = TokenPrefixStore(block_chars=4)
     other.add(t, [2**40, 2], [(0, 4), (4, 8)])  # not a tokenizer's id: nothing stored
     assert len(other) == 0
+
+
+def _local(tok: Tokenizer, tmp_path: Path, ratio: float = 0.8) -> LocalTokenizer:
+    tok.save(str(tmp_path / "tokenizer.json"))
+    return LocalTokenizer(str(tmp_path), prefix_store=TokenPrefixStore(block_chars=32),
+                          min_prefix_overlap=ratio)
+
+
+def test_a_growing_prompt_tokenizes_only_its_rest(bpe: Tokenizer, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    local = _local(bpe, tmp_path, ratio=1.0)  # never the store's ids alone: always a tail
+    rng = random.Random(6)
+    prompt = text(rng, 200)
+    encoded: list[int] = []
+    real_encode = local._tok.encode
+
+    def counting(t: str, add_special_tokens: bool = True) -> Any:
+        encoded.append(len(t))
+        return real_encode(t, add_special_tokens=add_special_tokens)
+
+    monkeypatch.setattr(local._tok, "encode", counting)
+    for turn in range(24):  # a conversation: each turn adds to the end
+        prompt = prompt + rng.choice([" ", "\n", "  "]) + text(rng, 60)
+        ids, est = local.tokenize_prefix(None, prompt)
+        assert est == 0 and ids == real_encode(prompt).ids, turn
+    # after the checked ones, only the rest of each prompt went to the tokenizer
+    assert local._tail_checks == 0
+    assert max(encoded[-5:]) < 0.2 * len(prompt)
+
+
+def test_tails_turn_off_where_they_would_differ(tmp_path: Path) -> None:
+    # Llama 2's style: a normalizer prepends "▁" to whatever is tokenized, so the rest of a
+    # prompt tokenized on its own starts with one more than in the whole prompt
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                           normalizers.Replace(" ", "▁")])
+    rng = random.Random(7)
+    tok.train_from_iterator([text(rng, 40) for _ in range(100)],
+                            trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>"]))
+    local = _local(tok, tmp_path, ratio=1.0)
+    prompt = text(rng, 30)
+    for _ in range(4):
+        prompt = prompt + " " + text(rng, len(prompt.split()))
+        ids, est = local.tokenize_prefix(None, prompt)
+        assert est == 0 and ids == tok.encode(prompt).ids  # never a wrong id
+    assert local._tail_checks == -1

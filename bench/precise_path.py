@@ -1,0 +1,131 @@
+"""Per-request and per-event costs of the precise prefix path (issue 15).
+
+Cases, interleaved round by round so noise hits each alike, for a chat of a ``--words``
+system prompt and a 200-word question, tokenized with the bench's word-level tokenizer
+(:mod:`epp.bench.tokenizer`):
+
+- ``tokenize-whole``: ``token-producer`` ``local`` without a prefix store (chat template
+  rendered, the prompt encoded);
+- ``tokenize-covered``: with the prefix store, the system prompt seen before (a new
+  question): the leading ids come from the store;
+- ``tokenize-tail``: with the prefix store, a conversation's next turn (300 words more
+  than a stored prompt): only the rest is encoded;
+- ``store-add``: recording one whole tokenization in the store;
+- ``events``: decoding one vLLM batch of a ``BlockStored`` with the prompt's blocks and a
+  ``BlockRemoved`` of as many, and applying both to a fresh index (what every cache miss
+  costs the EPP when the pods publish their KV events).
+
+    .venv/bin/python -m bench.precise_path             # a few seconds
+    .venv/bin/python -m bench.precise_path --smoke     # for CI
+
+Prints the median µs per call of each case; ``--json`` prints them as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from epp.bench.tokenizer import write_bench_tokenizer
+from epp.bench.traces import words
+from epp.kvcache.events import BlockRemoved, BlockStored, KVEventBatch, decode_batch, encode_batch
+from epp.kvcache.index import BlockIndex
+from epp.kvcache.prefix_store import TokenPrefixStore
+from epp.kvcache.tokenization import LocalTokenizer
+
+
+def _time(fn: Callable[[], Any], reps: int) -> float:
+    t0 = time.perf_counter_ns()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter_ns() - t0) / reps / 1000
+
+
+def run(n_words: int, rounds: int, reps: int) -> dict[str, Any]:
+    rng = random.Random(11)
+    system = words(rng, n_words)
+    questions = [words(rng, 200) for _ in range(reps + 1)]
+    turn = words(rng, 300)
+    vocab = {w for t in (system, turn, *questions) for w in t.split()}
+    tmp = Path(tempfile.mkdtemp(prefix="epp-bench-precise-"))
+    path = str(write_bench_tokenizer(tmp, vocab))
+
+    def chat(*contents: str) -> dict[str, Any]:
+        return {"messages": [{"role": "user", "content": c} for c in contents]}
+
+    whole = LocalTokenizer(path)
+    covered = LocalTokenizer(path, prefix_store=TokenPrefixStore(), min_prefix_overlap=0.8)
+    covered.tokenize_prefix(chat(system, questions[-1]), "")
+    q = iter(range(1 << 62))
+    base = chat(system, questions[0])
+    text = whole.render_chat(base)
+    enc = whole._tok.encode(text, add_special_tokens=False)
+    ids, offsets = enc.ids, enc.offsets
+    grown = chat(system, questions[0], turn)
+
+    tailer = LocalTokenizer(path, prefix_store=TokenPrefixStore(), min_prefix_overlap=1.0)
+    tailer._tail_checks = 0  # measured after the checks
+
+    def tail() -> None:  # (less one store-add: the stored earlier turn, set up each time)
+        tailer.prefix_store = store = TokenPrefixStore()
+        store.add(text, ids, offsets)
+        tailer.tokenize_prefix(grown, "")
+    block = 16
+    n_blocks = len(ids) // block
+    hashes = tuple(rng.randrange(1 << 64) for _ in range(n_blocks))
+    payload = encode_batch(KVEventBatch(ts=1.0, events=(
+        BlockStored(hashes, None, tuple(ids[:n_blocks * block]), block, None, "GPU"),
+        BlockRemoved(hashes, "GPU"))))
+
+    def events() -> None:
+        BlockIndex(block_size=block).apply("pod-a", "m", decode_batch(payload))
+
+    cases: dict[str, Callable[[], Any]] = {
+        "tokenize-whole": lambda: whole.tokenize_prefix(base, ""),
+        "tokenize-covered": lambda: covered.tokenize_prefix(
+            chat(system, questions[next(q) % reps]), ""),
+        "tokenize-tail": tail,
+        "store-add": lambda: TokenPrefixStore().add(text, ids, offsets),
+        "events": events,
+    }
+    samples: dict[str, list[float]] = {k: [] for k in cases}
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            samples[name].append(_time(fn, reps))
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    med["tokenize-tail"] = max(0.0, med["tokenize-tail"] - med["store-add"])
+    return {"words": n_words, "tokens": len(ids), "blocks": n_blocks, "rounds": rounds,
+            "median_us": {k: round(v, 1) for k, v in med.items()}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--words", type=int, default=3000)
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--smoke", action="store_true", help="2 rounds, 3 reps, 300 words")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.rounds, a.reps, a.words = 2, 3, 300
+    res = run(a.words, a.rounds, a.reps)
+    if a.json:
+        print(json.dumps(res))
+    else:
+        print(f"{res['words']}-word system prompt + 200-word question = {res['tokens']} "
+              f"tokens ({res['blocks']} blocks of 16), median of {res['rounds']} rounds")
+        for k, v in res["median_us"].items():
+            print(f"  {k:17s} {v:10.1f} µs")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -29,24 +29,17 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench.kvcache_keys import _time
 from epp.bench.tokenizer import write_bench_tokenizer
 from epp.bench.traces import words
 from epp.kvcache.events import BlockRemoved, BlockStored, KVEventBatch, decode_batch, encode_batch
 from epp.kvcache.index import BlockIndex
 from epp.kvcache.prefix_store import TokenPrefixStore
 from epp.kvcache.tokenization import LocalTokenizer
-
-
-def _time(fn: Callable[[], Any], reps: int) -> float:
-    t0 = time.perf_counter_ns()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter_ns() - t0) / reps / 1000
 
 
 def run(n_words: int, rounds: int, reps: int) -> dict[str, Any]:

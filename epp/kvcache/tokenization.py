@@ -284,34 +284,34 @@ class LocalTokenizer:
         if hit.covered and hit.coverage >= self.min_prefix_overlap:
             return hit.token_ids, max(len(hit.token_ids), round(len(hit.token_ids) / hit.coverage))
         if hit.token_ids and self._tail_checks >= 0:
-            ids = self._tail(text, add, salt, hit)
-            if ids is not None:
-                return ids, 0
+            return self._tail(text, add, salt, hit), 0
         enc = self._tok.encode(text, add_special_tokens=add)
         ids = enc.ids
         store.add(text, ids, enc.offsets, salt)
         return ids, 0
 
-    def _tail(self, text: str, add: bool, salt: int, hit: PrefixLookup) -> list[int] | None:
+    def _tail(self, text: str, add: bool, salt: int, hit: PrefixLookup) -> list[int]:
         """The whole prompt's ids as the stored prefix's plus the rest's, tokenized on its
         own from where the prefix's last token ends — the same ids as tokenizing it all
         for tokenizers that cut there the same way either side (byte-level BPEs,
         Metaspace and word-level pre-tokenizers; not a normalizer that prepends a marker
         to any text it is given, as Llama 2's ``Prepend("▁")``). The first
         ``TAIL_CHECKS`` are checked against a whole tokenization; one difference turns
-        tails off for good (logged)."""
+        tails off for good (logged; that prompt gets the whole tokenization's ids)."""
         assert self.prefix_store is not None
         start = hit.token_end
         enc = self._tok.encode(text[start:], add_special_tokens=False)
         ids: list[int] = hit.token_ids + enc.ids
         if self._tail_checks > 0:
-            whole: list[int] = self._tok.encode(text, add_special_tokens=add).ids
-            if whole != ids:
+            whole = self._tok.encode(text, add_special_tokens=add)
+            if whole.ids != ids:
                 self._tail_checks = -1
                 log.warning("local tokenizer: tokenizing a prompt's rest on its own gives "
                             "other ids than the whole prompt's; the prefix store now serves "
                             "only prompts it covers (minPrefixOverlapRatio)")
-                return None
+                self.prefix_store.add(text, whole.ids, whole.offsets, salt)
+                right: list[int] = whole.ids
+                return right
             self._tail_checks -= 1
         first = hit.covered // self.prefix_store.block_chars
         self.prefix_store.add(text, enc.ids, [(a + start, e + start) for a, e in enc.offsets],

@@ -19,7 +19,8 @@ its ``tokenizer_config.json``) run in process, chat templates rendered with jinj
 (500,000 blocks), minPrefixOverlapRatio (0.8)}`` a prompt whose leading text was tokenized
 before takes its leading ids from an LRU store instead of the tokenizer
 (:mod:`epp.kvcache.prefix_store`; the ids are then partial and the token count an
-estimate). The legacy type name ``tokenizer`` is accepted with a warning.
+estimate), and one it covers in part is tokenized only from where the stored prefix ends.
+The legacy type name ``tokenizer`` is accepted with a warning.
 
 The tokens live in ``request.plugin_state["TokenizedPrompt"]``
 (:class:`~epp.kvcache.tokenization.TokenizedPrompt`). The chat body comes from the

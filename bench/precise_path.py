@@ -13,7 +13,9 @@ system prompt and a 200-word question, tokenized with the bench's word-level tok
 - ``store-add``: recording one whole tokenization in the store;
 - ``events``: decoding one vLLM batch of a ``BlockStored`` with the prompt's blocks and a
   ``BlockRemoved`` of as many, and applying both to a fresh index (what every cache miss
-  costs the EPP when the pods publish their KV events).
+  costs the EPP when the pods publish their KV events);
+- ``lookup``: the prompt's block keys and the longest prefix each of 4 pods holds, in an
+  index holding 4 × 20,000 blocks (one pod the whole prompt, one half of it).
 
     .venv/bin/python -m bench.precise_path             # a few seconds
     .venv/bin/python -m bench.precise_path --smoke     # for CI
@@ -24,6 +26,7 @@ Prints the median µs per call of each case; ``--json`` prints them as JSON.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import statistics
@@ -54,9 +57,11 @@ def run(n_words: int, rounds: int, reps: int) -> dict[str, Any]:
     def chat(*contents: str) -> dict[str, Any]:
         return {"messages": [{"role": "user", "content": c} for c in contents]}
 
+    loop = asyncio.new_event_loop()
+    wait = loop.run_until_complete  # (tokenizing runs in the tokenizer's thread)
     whole = LocalTokenizer(path)
     covered = LocalTokenizer(path, prefix_store=TokenPrefixStore(), min_prefix_overlap=0.8)
-    covered.tokenize_prefix(chat(system, questions[-1]), "")
+    wait(covered.tokenize_prefix(chat(system, questions[-1]), ""))
     q = iter(range(1 << 62))
     base = chat(system, questions[0])
     text = whole.render_chat(base)
@@ -70,7 +75,7 @@ def run(n_words: int, rounds: int, reps: int) -> dict[str, Any]:
     def tail() -> None:  # (less one store-add: the stored earlier turn, set up each time)
         tailer.prefix_store = store = TokenPrefixStore()
         store.add(text, ids, offsets)
-        tailer.tokenize_prefix(grown, "")
+        wait(tailer.tokenize_prefix(grown, ""))
     block = 16
     n_blocks = len(ids) // block
     hashes = tuple(rng.randrange(1 << 64) for _ in range(n_blocks))
@@ -81,13 +86,25 @@ def run(n_words: int, rounds: int, reps: int) -> dict[str, Any]:
     def events() -> None:
         BlockIndex(block_size=block).apply("pod-a", "m", decode_batch(payload))
 
+    full = BlockIndex(block_size=block)
+    pods = [f"pod-{c}" for c in "abcd"]
+    for i in range(400):
+        full.add(pods[i % 4], [rng.randrange(1 << 64) for _ in range(200)])
+    prompt_keys = full.request_keys(ids, "m")
+    full.add(pods[0], prompt_keys)
+    full.add(pods[1], prompt_keys[:len(prompt_keys) // 2])
+
+    def lookup() -> None:
+        full.longest_prefix(full.request_keys(ids, "m"), pods)
+
     cases: dict[str, Callable[[], Any]] = {
-        "tokenize-whole": lambda: whole.tokenize_prefix(base, ""),
-        "tokenize-covered": lambda: covered.tokenize_prefix(
-            chat(system, questions[next(q) % reps]), ""),
+        "tokenize-whole": lambda: wait(whole.tokenize_prefix(base, "")),
+        "tokenize-covered": lambda: wait(covered.tokenize_prefix(
+            chat(system, questions[next(q) % reps]), "")),
         "tokenize-tail": tail,
         "store-add": lambda: TokenPrefixStore().add(text, ids, offsets),
         "events": events,
+        "lookup": lookup,
     }
     samples: dict[str, list[float]] = {k: [] for k in cases}
     for _ in range(rounds):
@@ -95,6 +112,9 @@ def run(n_words: int, rounds: int, reps: int) -> dict[str, Any]:
             samples[name].append(_time(fn, reps))
     med = {k: statistics.median(v) for k, v in samples.items()}
     med["tokenize-tail"] = max(0.0, med["tokenize-tail"] - med["store-add"])
+    for t in (whole, covered, tailer):
+        loop.run_until_complete(t.close())
+    loop.close()
     return {"words": n_words, "tokens": len(ids), "blocks": n_blocks, "rounds": rounds,
             "median_us": {k: round(v, 1) for k, v in med.items()}}
 

@@ -16,19 +16,29 @@ Two kinds of key, as in llm-d:
 * **engine keys**: the engine's 64-bit block hashes from the event, kept only to map a
   later ``BlockRemoved`` (and a child's ``parent_block_hash``) back to request keys.
 
-Memory is bounded per pod: each pod keeps at most ``max_blocks_per_pod`` (request key,
-medium) entries; adding beyond that drops that pod's oldest entries first. ``max_keys``
-bounds the distinct request keys (oldest dropped) and ``pods_per_key`` the pods
-remembered per key (llm-d's ``podCacheSize``; the oldest pod entry is dropped).
+Layout: per pod, per medium, an insertion-ordered set of request keys (llm-d keeps the
+transpose, key → pods). Events touch one pod, so a store or removal of a few hundred
+blocks is a handful of C-level bulk operations instead of a Python loop over per-key
+pod sets; a lookup walks each candidate's sets along the request's keys, which is cheap
+because the chain breaks at the first block a pod lacks.
+
+Memory is bounded per pod: each pod keeps at most ``max_blocks_per_pod`` request keys
+per medium; adding beyond that drops that pod's oldest keys on that medium first.
+``max_keys`` (llm-d's ``size``) bounds the (pod, medium, key) entries over all pods — at
+least as strict as llm-d's bound on distinct keys. llm-d's ``podCacheSize`` (pods
+remembered per key) has no counterpart: the per-pod bound already bounds memory, and a
+key held by more pods than that stays known on all of them.
 
 Not thread-safe: used from the event loop only.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import islice, repeat, takewhile
+from typing import Any
 
 from epp.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from epp.kvcache.hashing import request_keys as chain_keys
@@ -39,10 +49,18 @@ DEFAULT_MEDIUM = "gpu"
 #: llm-d's ``DefaultKVCacheBackendConfig``: scoring weight per medium.
 DEFAULT_MEDIUM_WEIGHTS: Mapping[str, float] = {"gpu": 1.0, "cpu": 0.8}
 
-# Rough CPython cost of one entry across the structures below (dict slots, the int key,
-# the pod's OrderedDict node, the tier set), for the memory estimate only.
-_BYTES_PER_ENTRY = 320
+# Rough CPython cost of one entry (a dict slot and index, the int key) and of one
+# engine-key mapping, for the memory estimate only.
+_BYTES_PER_ENTRY = 200
 _BYTES_PER_ENGINE_KEY = 160
+_consume: Callable[[Iterable[Any]], None] = deque(maxlen=0).extend
+_SCALAR = {int, type(None)}
+
+
+def _drop_oldest(d: dict[int, Any], n: int) -> None:
+    """Drop the ``n`` oldest entries of an insertion-ordered dict, in one pass."""
+    if n > 0:
+        _consume(map(d.pop, list(islice(d, n))))
 
 
 def normalize_medium(medium: str | None) -> str:
@@ -97,6 +115,22 @@ def event_extra(ev: BlockStored, n_blocks: int) -> list[object] | None:
     return out
 
 
+class _Pod:
+    """What one pod holds: per medium, its request keys (oldest first); engine key →
+    request key (an int, or a tuple when the engine's block size differs). Plain dicts:
+    insertion-ordered, and their bulk updates run at C speed (OrderedDict's do not)."""
+
+    __slots__ = ("engine", "mapped", "tiers")
+
+    def __init__(self) -> None:
+        self.tiers: dict[str, dict[int, None]] = {}
+        self.engine: dict[int, int | tuple[int, ...]] = {}
+        self.mapped: set[str] = set()  # media the engine's events named
+
+    def size(self) -> int:
+        return sum(map(len, self.tiers.values()))
+
+
 class BlockIndex:
     def __init__(
         self,
@@ -105,7 +139,6 @@ class BlockIndex:
         hash_seed: str = "",
         max_blocks_per_pod: int = 262_144,
         max_keys: int = 100_000_000,
-        pods_per_key: int = 10,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be greater than 0, got {block_size}")
@@ -113,13 +146,8 @@ class BlockIndex:
         self.hash_seed = hash_seed
         self.max_blocks_per_pod = max_blocks_per_pod
         self.max_keys = max_keys
-        self.pods_per_key = pods_per_key
-        # request key -> pod -> media (insertion-ordered: oldest pod first)
-        self._keys: dict[int, dict[str, set[str]]] = {}
-        # pod -> (request key, medium) in insertion order, for the per-pod bound
-        self._pod_entries: dict[str, OrderedDict[tuple[int, str], None]] = {}
-        # pod -> engine key -> request keys
-        self._engine: dict[str, OrderedDict[int, tuple[int, ...]]] = {}
+        self._pods: dict[str, _Pod] = {}
+        self._entries = 0  # (pod, medium, key) entries over all pods
         self.admissions = 0
         self.evictions = 0
 
@@ -137,62 +165,66 @@ class BlockIndex:
         return chain_keys(tokens, self.block_size, model_name=model,
                           hash_seed=self.hash_seed, extra=extra)
 
-    def lookup(self, keys: Sequence[int], pods: Iterable[str] | None = None
-               ) -> list[dict[str, set[str]]]:
-        """For each key in order, the candidate pods holding it and on which media; stops
-        at the first key nobody holds (the prefix chain breaks there)."""
-        wanted = None if pods is None else set(pods)
-        out: list[dict[str, set[str]]] = []
-        for k in keys:
-            holders = self._keys.get(k)
-            if not holders:
-                break
-            if wanted is None:
-                out.append({p: set(m) for p, m in holders.items()})
-            else:
-                out.append({p: set(m) for p, m in holders.items() if p in wanted})
-        return out
-
     def longest_prefix(self, keys: Sequence[int], pods: Iterable[str],
                        weights: Mapping[str, float] = DEFAULT_MEDIUM_WEIGHTS,
                        ) -> tuple[dict[str, float], dict[str, int], dict[str, dict[str, int]]]:
         """llm-d's ``LongestPrefixScorer``: per pod, the weighted count of consecutive
-        blocks from the first one it holds (each block counts the best weight among the
-        media holding it); plus the unweighted count and the count per medium (the
-        media present on every block so far, llm-d's ``matchedBlockCountByTier``)."""
+        blocks from the first one (each block counts the best weight among the media
+        holding it); plus the unweighted count and, per medium, the consecutive blocks
+        from the first held on that medium (llm-d's ``matchedBlockCountByTier``)."""
         scores: dict[str, float] = {}
         counts: dict[str, int] = {}
         by_tier: dict[str, dict[str, int]] = {}
-        alive: dict[str, set[str]] | None = None
-        wanted = set(pods)
-        index = self._keys
-        for k in keys:  # (lookup, without copying the media sets: nothing here mutates them)
-            holders = index.get(k)
-            if not holders:
-                break
-            current = {p: m for p, m in holders.items()
-                       if p in wanted and (alive is None or p in alive)}
-            if not current:
-                break
-            nxt: dict[str, set[str]] = {}
-            for p, media in current.items():
-                w = max(weights.get(m, 1.0) for m in media)
-                scores[p] = scores.get(p, 0.0) + w
-                counts[p] = counts.get(p, 0) + 1
-                tiers = media if alive is None else (alive[p] & media)
-                for t in tiers:
-                    by_tier.setdefault(p, {})[t] = by_tier.get(p, {}).get(t, 0) + 1
-                nxt[p] = tiers if tiers else set()
-            alive = nxt
+        if not keys:
+            return scores, counts, by_tier
+        first = keys[0]
+        index = self._pods
+        for pod in pods:
+            p = index.get(pod)
+            if p is None:
+                continue
+            runs = {m: len(list(takewhile(t.__contains__, keys)))
+                    for m, t in p.tiers.items() if first in t}
+            if not runs:
+                continue
+            if len(runs) == 1:
+                (m, n), = runs.items()
+                scores[pod] = n * weights.get(m, 1.0)
+                counts[pod] = n
+                by_tier[pod] = runs
+                continue
+            scores[pod], counts[pod] = self._mixed_run(keys, p.tiers, runs, weights)
+            by_tier[pod] = runs
         return scores, counts, by_tier
+
+    @staticmethod
+    def _mixed_run(keys: Sequence[int], tiers: Mapping[str, dict[int, None]],
+                   runs: Mapping[str, int], weights: Mapping[str, float]
+                   ) -> tuple[float, int]:
+        """(weighted, plain) count of the consecutive blocks held on any medium."""
+        ranked = sorted(tiers, key=lambda m: -weights.get(m, 1.0))
+        best = ranked[0]
+        i = runs.get(best, 0)  # the best medium's own run: all at its weight
+        score = i * weights.get(best, 1.0)
+        n = len(keys)
+        while i < n:
+            k = keys[i]
+            w = next((weights.get(m, 1.0) for m in ranked if k in tiers[m]), None)
+            if w is None:
+                break
+            score += w
+            i += 1
+        return score, i
 
     # ------------------------------------------------------------------ event side
 
     def request_key_for(self, pod: str, engine: int) -> int | None:
         """The last request key an engine key of ``pod`` maps to (``GetRequestKey``)."""
-        emap = self._engine.get(pod)
-        rks = emap.get(engine) if emap is not None else None
-        return rks[-1] if rks else None
+        p = self._pods.get(pod)
+        rk = p.engine.get(engine) if p is not None else None
+        if rk is None or isinstance(rk, int):
+            return rk
+        return rk[-1] if rk else None
 
     def apply(self, pod: str, model: str, batch: KVEventBatch) -> None:
         """Apply one decoded batch from ``pod`` (llm-d's ``processEventBatch``)."""
@@ -216,182 +248,157 @@ class BlockIndex:
         engine = ev.engine_keys
         if not ev.token_ids:
             # a medium update (e.g. offload to CPU) without tokens: reuse the known keys
-            emap = self._engine.get(pod)
-            known = [rk for ek in engine for rk in (emap.get(ek, ()) if emap else ())]
-            if known:
-                self._add(pod, dict.fromkeys(known), medium)
+            p = self._pods.get(pod)
+            if p is not None:
+                known = [rk for ek in engine if (rk := p.engine.get(ek)) is not None]
+                flat = [r for rk in known for r in ((rk,) if isinstance(rk, int) else rk)]
+                if flat:
+                    p.mapped.add(medium)
+                    self._add(p, flat, medium)
             return
         rks = chain_keys(ev.token_ids, self.block_size, model_name=name,
                          hash_seed=self.hash_seed, parent=parent_rk,
                          extra=event_extra(ev, len(ev.token_ids) // self.block_size))
         if not rks:
             return
-        self._map_engine(pod, engine, rks)
-        self._add(pod, dict.fromkeys(rks), medium)
+        p = self._pod(pod)
+        p.mapped.add(medium)
+        self._map_engine(p, engine, rks)
+        self._add(p, rks, medium)
 
     def add(self, pod: str, request_keys: Sequence[int], medium: str = DEFAULT_MEDIUM,
             engine_keys: Sequence[int] | None = None) -> None:
         """Record that ``pod`` holds ``request_keys`` on ``medium``."""
+        p = self._pod(pod)
         if engine_keys:
-            self._map_engine(pod, engine_keys, request_keys)
-        self._add(pod, dict.fromkeys(request_keys), medium)
+            p.mapped.add(medium)
+            self._map_engine(p, engine_keys, request_keys)
+        self._add(p, request_keys, medium)
 
-    def _map_engine(self, pod: str, engine: Sequence[int], rks: Sequence[int]) -> None:
+    def _pod(self, pod: str) -> _Pod:
+        p = self._pods.get(pod)
+        if p is None:
+            p = self._pods[pod] = _Pod()
+        return p
+
+    def _map_engine(self, p: _Pod, engine: Sequence[int], rks: Sequence[int]) -> None:
         """llm-d's ``engineToRequestMapping``: proportional when the engine's block size
         differs from the EPP's."""
         if not engine or not rks:
             return
-        m = self._engine.setdefault(pod, OrderedDict())
+        m = p.engine
         if len(engine) == len(rks):  # the engine's block size is the EPP's: one to one
-            move = m.move_to_end
-            for ek, rk in zip(engine, rks, strict=True):
-                m[ek] = (rk,)
-                move(ek)
-            while len(m) > self.max_blocks_per_pod:
-                m.popitem(last=False)
-            return
-        n = max(len(engine), len(rks))
-        mapping: dict[int, list[int]] = {}
-        for i in range(n):
-            ek = engine[i * len(engine) // n]
-            rk = rks[i * len(rks) // n]
-            mapping.setdefault(ek, []).append(rk)
-        for ek, lst in mapping.items():
-            m[ek] = tuple(lst)
-            m.move_to_end(ek)
-        while len(m) > self.max_blocks_per_pod:
-            m.popitem(last=False)
+            m.update(zip(engine, rks))
+        else:
+            n = max(len(engine), len(rks))
+            mapping: dict[int, list[int]] = {}
+            for i in range(n):
+                mapping.setdefault(engine[i * len(engine) // n], []).append(
+                    rks[i * len(rks) // n])
+            m.update((ek, tuple(lst)) for ek, lst in mapping.items())
+        _drop_oldest(m, len(m) - self.max_blocks_per_pod)
 
-    def _add(self, pod: str, rks: Iterable[int], medium: str) -> None:
-        entries = self._pod_entries.get(pod)
-        if entries is None:
-            entries = self._pod_entries[pod] = OrderedDict()
-        keys = self._keys
-        admitted = 0
-        for rk in rks:
-            holders = keys.get(rk)
-            if holders is None:  # the common case: a block no pod held
-                keys[rk] = {pod: {medium}}
-                entries[(rk, medium)] = None
-                admitted += 1
-                if len(keys) > self.max_keys:
-                    self._drop_key(next(iter(keys)))
-                continue
-            media = holders.get(pod)
-            if media is None:
-                if len(holders) >= self.pods_per_key:
-                    old = next(iter(holders))
-                    for m in holders.pop(old):
-                        self._pod_entries.get(old, OrderedDict()).pop((rk, m), None)
-                        self.evictions += 1
-                holders[pod] = {medium}
-                entries[(rk, medium)] = None
-                admitted += 1
-                continue
-            key = (rk, medium)
-            if medium in media:
-                entries.move_to_end(key)
-                continue
-            media.add(medium)
-            entries[key] = None
-            admitted += 1
-        self.admissions += admitted
-        while len(entries) > self.max_blocks_per_pod:
-            (rk, m), _ = entries.popitem(last=False)
-            self._unhold(rk, pod, m)
-
-    def _drop_key(self, rk: int) -> None:
-        for pod, media in self._keys.pop(rk, {}).items():
-            for m in media:
-                self._pod_entries.get(pod, OrderedDict()).pop((rk, m), None)
-                self.evictions += 1
-
-    def _unhold(self, rk: int, pod: str, medium: str) -> None:
-        holders = self._keys.get(rk)
-        if not holders:
-            return
-        media = holders.get(pod)
-        if media is None or medium not in media:
-            return
-        media.discard(medium)
-        self.evictions += 1
-        if not media:
-            del holders[pod]
-            if not holders:
-                del self._keys[rk]
+    def _add(self, p: _Pod, rks: Sequence[int], medium: str) -> None:
+        tier = p.tiers.get(medium)
+        if tier is None:
+            tier = p.tiers[medium] = {}
+        before = len(tier)
+        if not tier.keys().isdisjoint(rks):  # blocks it held already: now the newest
+            _consume(map(tier.pop, rks, repeat(None)))
+        tier.update(dict.fromkeys(rks))
+        added = len(tier) - before
+        self.admissions += added
+        self._entries += added
+        over = len(tier) - self.max_blocks_per_pod
+        if self._entries > self.max_keys:
+            over = max(over, min(len(tier), self._entries - self.max_keys))
+        if over > 0:
+            _drop_oldest(tier, over)
+            self._entries -= over
+            self.evictions += over
 
     def remove(self, pod: str, engine_keys: Iterable[int], medium: str = DEFAULT_MEDIUM) -> None:
         """``BlockRemoved``: ``pod`` no longer holds these engine blocks on ``medium``."""
-        emap = self._engine.get(pod)
-        if not emap:
+        p = self._pods.get(pod)
+        if p is None:
             return
-        entries = self._pod_entries.get(pod, OrderedDict())
-        keys = self._keys
-        evicted = 0
-        for ek in engine_keys:
-            rks = emap.get(ek)
-            if not rks:
-                continue
-            held = False  # still held on another medium: keep the mapping
-            for rk in rks:  # (_unhold, inlined: this runs for every evicted block)
-                entries.pop((rk, medium), None)
-                holders = keys.get(rk)
-                if not holders:
+        tier = p.tiers.get(medium)
+        if not tier:
+            return
+        emap = p.engine
+        eks = engine_keys if isinstance(engine_keys, (list, tuple)) else list(engine_keys)
+        # other media the engine reported blocks on (not the EPP's speculative entries)
+        others = [t for m, t in p.tiers.items() if t and t is not tier and m in p.mapped]
+        rks: list[int | tuple[int, ...] | None]
+        if not others:  # held on this medium only: forget the mappings with the blocks
+            rks = list(map(emap.pop, eks, repeat(None)))
+        else:
+            rks = list(map(emap.get, eks))
+        flat: list[Any] = rks  # request keys (and None: not mapped, popped as nothing)
+        if not set(map(type, rks)) <= _SCALAR:  # engine blocks larger than the EPP's
+            flat = [r for rk in rks if rk is not None
+                    for r in ((rk,) if isinstance(rk, int) else rk)]
+        before = len(tier)
+        _consume(map(tier.pop, flat, repeat(None)))
+        if others:  # a mapping stays while another medium still holds its blocks
+            for ek, rk in zip(eks, rks, strict=True):
+                if rk is None:
                     continue
-                media = holders.get(pod)
-                if media is None:
-                    continue
-                if medium in media:
-                    media.discard(medium)
-                    evicted += 1
-                    if not media:
-                        del holders[pod]
-                        if not holders:
-                            del keys[rk]
-                        continue
-                held = True
-            if not held:
-                del emap[ek]
-        self.evictions += evicted
+                held = (rk,) if isinstance(rk, int) else rk
+                if not any(r in t for t in others for r in held):
+                    emap.pop(ek, None)
+        gone = before - len(tier)
+        self._entries -= gone
+        self.evictions += gone
 
     def remove_keys(self, pod: str, request_keys: Iterable[int], medium: str) -> None:
         """Drop ``pod``'s entries for these request keys on ``medium``."""
-        entries = self._pod_entries.get(pod)
-        if entries is None:
+        p = self._pods.get(pod)
+        tier = p.tiers.get(medium) if p is not None else None
+        if not tier:
             return
-        for rk in request_keys:
-            if entries.pop((rk, medium), 0) is None:
-                self._unhold(rk, pod, medium)
+        before = len(tier)
+        _consume(map(tier.pop, request_keys, repeat(None)))
+        gone = before - len(tier)
+        self._entries -= gone
+        self.evictions += gone
 
     def clear_pod(self, pod: str) -> None:
         """Forget everything ``pod`` holds (``AllBlocksCleared``, a sequence gap or restart,
         the pod leaving)."""
-        for (rk, m) in self._pod_entries.pop(pod, OrderedDict()):
-            self._unhold(rk, pod, m)
-        self._engine.pop(pod, None)
+        p = self._pods.pop(pod, None)
+        if p is not None:
+            n = p.size()
+            self._entries -= n
+            self.evictions += n
 
     # ------------------------------------------------------------------ introspection
 
     def pods(self) -> list[str]:
-        return [p for p, e in self._pod_entries.items() if e]
+        return [name for name, p in self._pods.items() if any(p.tiers.values())]
 
     def blocks_of(self, pod: str) -> int:
-        return len(self._pod_entries.get(pod, ()))
+        p = self._pods.get(pod)
+        return p.size() if p is not None else 0
 
     def size(self) -> int:
         """Entries (request key, pod, medium) held."""
-        return sum(len(e) for e in self._pod_entries.values())
+        return self._entries
 
     def stats(self) -> IndexStats:
-        entries = self.size()
-        engine = sum(len(m) for m in self._engine.values())
+        keys: set[int] = set()
+        for p in self._pods.values():
+            for t in p.tiers.values():
+                keys.update(t)
+        engine = sum(len(p.engine) for p in self._pods.values())
         return IndexStats(
-            keys=len(self._keys), entries=entries, engine_keys=engine,
+            keys=len(keys), entries=self._entries, engine_keys=engine,
             pods=len(self.pods()),
-            approx_bytes=entries * _BYTES_PER_ENTRY + engine * _BYTES_PER_ENGINE_KEY,
+            approx_bytes=self._entries * _BYTES_PER_ENTRY + engine * _BYTES_PER_ENGINE_KEY,
             admissions=self.admissions, evictions=self.evictions)
 
     @staticmethod
     def estimate_bytes(max_blocks_per_pod: int, pods: int) -> int:
-        """Upper bound of the memory ``pods`` pods may take at ``max_blocks_per_pod``."""
+        """Upper bound of the memory ``pods`` pods may take at ``max_blocks_per_pod`` (one
+        medium each)."""
         return pods * max_blocks_per_pod * (_BYTES_PER_ENTRY + _BYTES_PER_ENGINE_KEY)

@@ -118,12 +118,13 @@ class TokenPrefixStore:
         return PrefixLookup(ids, covered, covered / len(text) if text else 1.0, token_end)
 
     def add(self, text: str, ids: Sequence[int], offsets: Sequence[tuple[int, int]],
-            salt: int = 0, first_block: int = 0) -> None:
+            salt: int = 0, first_block: int = 0, shift: int = 0) -> None:
         """Record a tokenization of ``text``: ``ids[j]`` spans ``offsets[j]`` (character
         offsets into ``text``, end exclusive; special tokens the tokenizer adds span
         ``(0, 0)``). Only whole blocks are stored. ``first_block``: the tokens given are
         those ending in that block or later (a tail tokenization after a lookup); the
-        blocks before it are left as they are."""
+        blocks before it are left as they are. ``shift``: the offsets are relative to
+        that character of ``text`` (a tail's own encoding)."""
         b = self.block_chars
         n = len(text) // b
         if n <= first_block:
@@ -141,11 +142,11 @@ class TokenPrefixStore:
             m -= 1
         if m == 0:  # no token spans text
             m = len(offsets)
-        bounds = [bisect_right(offsets, (i + 1) * b, 0, m, key=_end)
+        bounds = [bisect_right(offsets, (i + 1) * b - shift, 0, m, key=_end)
                   for i in range(first_block, n)]
         try:
             entries = [array("I", ids[lo:hi]).tobytes()
-                       + (offsets[hi - 1][1] if hi else 0).to_bytes(4, "little")
+                       + (offsets[hi - 1][1] + shift if hi else shift).to_bytes(4, "little")
                        for lo, hi in zip([0, *bounds], bounds, strict=False)]
         except OverflowError:  # an id beyond 32 bits: no tokenizer's; not stored
             return

@@ -26,6 +26,7 @@ import json
 import logging
 import pathlib
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -47,6 +48,8 @@ log = logging.getLogger(__name__)
 
 #: How many tail tokenizations the local backend checks against whole ones first.
 TAIL_CHECKS = 16
+#: Texts from this many characters on are encoded in the tokenizer's thread.
+THREAD_MIN_CHARS = 4096
 
 COMPLETIONS_RENDER_PATH = "/v1/completions/render"
 CHAT_RENDER_PATH = "/v1/chat/completions/render"
@@ -210,6 +213,7 @@ class LocalTokenizer:
         self.min_prefix_overlap = min_prefix_overlap
         #: Tail tokenizations still to check against whole ones (-1: tails are off).
         self._tail_checks = TAIL_CHECKS
+        self._pool: ThreadPoolExecutor | None = None  # the tokenizer's thread, made on use
 
         p = pathlib.Path(path)
         file = p / "tokenizer.json" if p.is_dir() else p
@@ -234,11 +238,30 @@ class LocalTokenizer:
         self.chat_template: str | None = template if isinstance(template, str) else None
 
     async def close(self) -> None:
-        return None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         return ids
+
+    async def _encode_off_loop(self, *texts: tuple[str, bool]) -> list[Any]:
+        """Encodings of ``texts``; long ones in the tokenizer's own thread. ``encode_batch``
+        releases the GIL while it runs (``encode`` does not), so the event loop goes on
+        serving other requests and KV events meanwhile (same ids, ~5% more CPU). Handing
+        over costs ~0.2 ms, about what encoding 1,500 characters does: shorter texts are
+        encoded in place."""
+        if sum(len(t) for t, _ in texts) < THREAD_MIN_CHARS:
+            return [self._tok.encode(t, add_special_tokens=add) for t, add in texts]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="epp-tokenize")
+        encs: list[Any] = await asyncio.get_running_loop().run_in_executor(
+            self._pool, self._encode_each, texts)
+        return encs
+
+    def _encode_each(self, texts: tuple[tuple[str, bool], ...]) -> list[Any]:
+        return [self._tok.encode_batch([t], add_special_tokens=add)[0] for t, add in texts]
 
     def render_chat(self, body: Mapping[str, Any]) -> str:
         template = body.get("chat_template") or self.chat_template
@@ -267,9 +290,14 @@ class LocalTokenizer:
 
     async def tokenize(self, body: Mapping[str, Any] | None, prompt: str) -> list[int]:
         text, add = self._text(body, prompt)
-        return text if isinstance(text, list) else self.encode(text, add)
+        if isinstance(text, list):
+            return text
+        (enc,) = await self._encode_off_loop((text, add))
+        ids: list[int] = enc.ids
+        return ids
 
-    def tokenize_prefix(self, body: Mapping[str, Any] | None, prompt: str) -> tuple[list[int], int]:
+    async def tokenize_prefix(self, body: Mapping[str, Any] | None, prompt: str
+                              ) -> tuple[list[int], int]:
         """With a prefix store: ``(ids, 0)`` for the whole prompt, or ``(leading ids,
         estimated token count)`` when the store covers at least ``min_prefix_overlap`` of
         the prompt's characters (no tokenizer call then)."""
@@ -278,19 +306,20 @@ class LocalTokenizer:
             return text, 0
         store = self.prefix_store
         if store is None:
-            return self.encode(text, add), 0
+            (enc,) = await self._encode_off_loop((text, add))
+            return enc.ids, 0
         salt = int(add)
         hit = store.lookup(text, salt)
         if hit.covered and hit.coverage >= self.min_prefix_overlap:
             return hit.token_ids, max(len(hit.token_ids), round(len(hit.token_ids) / hit.coverage))
         if hit.token_ids and self._tail_checks >= 0:
-            return self._tail(text, add, salt, hit), 0
-        enc = self._tok.encode(text, add_special_tokens=add)
-        ids = enc.ids
+            return await self._tail(text, add, salt, hit), 0
+        (enc,) = await self._encode_off_loop((text, add))
+        ids: list[int] = enc.ids
         store.add(text, ids, enc.offsets, salt)
         return ids, 0
 
-    def _tail(self, text: str, add: bool, salt: int, hit: PrefixLookup) -> list[int]:
+    async def _tail(self, text: str, add: bool, salt: int, hit: PrefixLookup) -> list[int]:
         """The whole prompt's ids as the stored prefix's plus the rest's, tokenized on its
         own from where the prefix's last token ends — the same ids as tokenizing it all
         for tokenizers that cut there the same way either side (byte-level BPEs,
@@ -300,10 +329,13 @@ class LocalTokenizer:
         tails off for good (logged; that prompt gets the whole tokenization's ids)."""
         assert self.prefix_store is not None
         start = hit.token_end
-        enc = self._tok.encode(text[start:], add_special_tokens=False)
+        check = self._tail_checks > 0
+        encs = await self._encode_off_loop((text[start:], False),
+                                           *([(text, add)] if check else []))
+        enc = encs[0]
         ids: list[int] = hit.token_ids + enc.ids
-        if self._tail_checks > 0:
-            whole = self._tok.encode(text, add_special_tokens=add)
+        if check:
+            whole = encs[1]
             if whole.ids != ids:
                 self._tail_checks = -1
                 log.warning("local tokenizer: tokenizing a prompt's rest on its own gives "
@@ -312,10 +344,10 @@ class LocalTokenizer:
                 self.prefix_store.add(text, whole.ids, whole.offsets, salt)
                 right: list[int] = whole.ids
                 return right
-            self._tail_checks -= 1
-        first = hit.covered // self.prefix_store.block_chars
-        self.prefix_store.add(text, enc.ids, [(a + start, e + start) for a, e in enc.offsets],
-                              salt, first_block=first)
+            self._tail_checks = max(0, self._tail_checks - 1)
+        self.prefix_store.add(text, enc.ids, enc.offsets, salt,
+                              first_block=hit.covered // self.prefix_store.block_chars,
+                              shift=start)
         return ids
 
 

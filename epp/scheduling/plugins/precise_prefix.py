@@ -39,8 +39,9 @@ tokens (llm-d-router v0.10.0 ``scorer/preciseprefixcache/legacy_producer.go``) w
 local — :func:`tokenizers_pool`.
 
 Memory: ``indexerConfig.kvBlockIndexConfig.inMemoryConfig.maxBlocksPerPod`` (this
-project's addition, default 262144) bounds each pod's entries (oldest dropped first);
-``size`` bounds the distinct keys, ``podCacheSize`` the pods per key (llm-d's).
+project's addition, default 262144) bounds each pod's entries per medium (oldest dropped
+first); ``size`` bounds the entries over all pods; llm-d's ``podCacheSize`` (pods per key)
+is accepted and has no effect — the index is kept per pod (:mod:`epp.kvcache.index`).
 """
 
 from __future__ import annotations
@@ -307,8 +308,7 @@ class PrecisePrefixCacheProducer:
         self.block_size = p.token_processor.effective_block_size
         self.index = index or BlockIndex(
             block_size=self.block_size, hash_seed=p.token_processor.hash_seed,
-            max_blocks_per_pod=mem.max_blocks_per_pod, max_keys=mem.size,
-            pods_per_key=mem.pod_cache_size)
+            max_blocks_per_pod=mem.max_blocks_per_pod, max_keys=mem.size)
         self.weights: Mapping[str, float] = dict(p.indexer.backends or DEFAULT_MEDIUM_WEIGHTS)
         ev = p.kv_events
         self.manager = SubscriberManager(self.index, topic_filter=ev.topic_filter)

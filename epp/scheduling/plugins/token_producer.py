@@ -173,7 +173,8 @@ class TokenProducer:
         estimated_total = 0
         try:
             if isinstance(backend, LocalTokenizer) and backend.prefix_store is not None:
-                ids, estimated_total = backend.tokenize_prefix(body, request.prompt)
+                ids, estimated_total = await with_budget(
+                    backend.tokenize_prefix(body, request.prompt), PREPARE_DATA_TIMEOUT_S)
             else:
                 ids = await with_budget(backend.tokenize(body, request.prompt),
                                         PREPARE_DATA_TIMEOUT_S)

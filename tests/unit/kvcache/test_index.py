@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import takewhile
+
 from epp.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from epp.kvcache.hashing import block_hashes
 from epp.kvcache.index import BlockIndex, event_extra
@@ -98,16 +100,128 @@ def test_per_pod_bound_drops_the_oldest_blocks() -> None:
     assert idx.stats().approx_bytes > 0
 
 
-def test_pods_per_key_and_max_keys() -> None:
-    idx = BlockIndex(block_size=16, pods_per_key=1)
-    idx.apply(A, "m", batch(stored(TOKENS[:16])))
-    idx.apply(B, "m", batch(stored(TOKENS[:16])))
-    keys = idx.request_keys(TOKENS[:16], "m")
-    assert idx.longest_prefix(keys, [A, B])[1] == {B: 1}
-    assert idx.blocks_of(A) == 0
-    small = BlockIndex(block_size=16, max_keys=2)
+def test_max_keys_bounds_the_entries_over_all_pods() -> None:
+    small = BlockIndex(block_size=16, max_keys=6)
     small.apply(A, "m", batch(stored(TOKENS)))
-    assert small.stats().keys == 2
+    small.apply(B, "m", batch(stored(TOKENS)))
+    assert small.size() == 6 and small.stats().entries == 6
+    assert small.blocks_of(A) == 4 and small.blocks_of(B) == 2  # B's oldest dropped
+    keys = small.request_keys(TOKENS, "m")
+    assert small.longest_prefix(keys, [A, B])[1] == {A: 4}  # B lost the chain's start
+
+
+def test_a_key_held_by_many_pods_is_known_on_all() -> None:
+    # llm-d's podCacheSize (pods remembered per key) has no counterpart here
+    idx = BlockIndex(block_size=16)
+    pods = [f"10.0.1.{i}:8000" for i in range(15)]
+    for pod in pods:
+        idx.apply(pod, "m", batch(stored(TOKENS[:16])))
+    keys = idx.request_keys(TOKENS[:16], "m")
+    assert idx.longest_prefix(keys, pods)[1] == dict.fromkeys(pods, 1)
+    assert idx.stats().keys == 1 and idx.stats().entries == 15
+
+
+def test_speculative_entries_and_engine_removals_mix() -> None:
+    idx = BlockIndex(block_size=16)
+    ev = stored(TOKENS)
+    keys = idx.request_keys(TOKENS, "m")
+    idx.add(A, keys[:3], "speculative")
+    idx.apply(A, "m", batch(stored(TOKENS[:32])))  # the engine holds the first two
+    scores, counts, tiers = idx.longest_prefix(keys, [A])
+    assert scores == {A: 3.0} and counts == {A: 3}
+    assert tiers == {A: {"gpu": 2, "speculative": 3}}
+    # the engine evicts block 0: the speculative entry still covers it
+    idx.apply(A, "m", batch(BlockRemoved((ev.block_hashes[0],), "GPU")))
+    assert idx.longest_prefix(keys, [A])[1] == {A: 3}
+    idx.remove_keys(A, keys, "speculative")
+    assert idx.longest_prefix(keys, [A])[1] == {}
+    assert idx.size() == 1 and idx.stats().engine_keys == 1
+
+
+def test_re_stored_blocks_become_the_newest() -> None:
+    idx = BlockIndex(block_size=16, max_blocks_per_pod=4)
+    first, second = list(range(32)), list(range(1000, 1032))
+    idx.apply(A, "m", batch(stored(first)))
+    idx.apply(A, "m", batch(stored(second)))
+    idx.add(A, idx.request_keys(first, "m"), "gpu")  # touched again
+    idx.apply(A, "m", batch(stored(list(range(2000, 2032)))))  # drops the oldest two
+    assert idx.longest_prefix(idx.request_keys(first, "m"), [A])[1] == {A: 2}
+    assert idx.longest_prefix(idx.request_keys(second, "m"), [A])[1] == {}
+    assert idx.size() == 4 and idx.stats().admissions == 6
+
+
+def test_matches_a_plain_reference_model_under_random_events() -> None:
+    """Random stores, removals, offloads, speculation and clears on three pods, checked
+    after every step against a dict-of-sets model of llm-d's semantics."""
+    import random
+
+    rng = random.Random(5)
+    idx = BlockIndex(block_size=4)
+    pods = [A, B, "10.0.0.3:8000"]
+    prompts = [[rng.randrange(50) for _ in range(rng.choice((4, 8, 16, 24)))]
+               for _ in range(12)]
+    ref: dict[tuple[str, str], set[int]] = {}  # (pod, medium) -> request keys
+    engine: dict[tuple[str, int], int] = {}  # (pod, engine hash) -> request key
+    weights = {"gpu": 1.0, "cpu": 0.8}
+    for step in range(600):
+        pod = rng.choice(pods)
+        toks = rng.choice(prompts)
+        hashes = tuple(block_hashes(toks, 4, seed="0"))
+        rks = idx.request_keys(toks, "m")
+        op = rng.random()
+        if op < 0.4:
+            idx.apply(pod, "m", batch(BlockStored(hashes, None, tuple(toks), 4, None, "GPU")))
+            ref.setdefault((pod, "gpu"), set()).update(rks)
+            engine.update({(pod, h): rk for h, rk in zip(hashes, rks, strict=True)})
+        elif op < 0.65:
+            drop = hashes[rng.randrange(len(hashes)):]
+            medium = rng.choice(("GPU", "CPU"))
+            idx.apply(pod, "m", batch(BlockRemoved(drop, medium)))
+            for h in drop:
+                rk = engine.get((pod, h))
+                if rk is not None:
+                    ref.get((pod, medium.lower()), set()).discard(rk)
+        elif op < 0.75:
+            known = [h for h in hashes if (pod, h) in engine]
+            idx.apply(pod, "m", batch(BlockStored(hashes, None, (), 4, None, "CPU")))
+            ref.setdefault((pod, "cpu"), set()).update(engine[(pod, h)] for h in known)
+        elif op < 0.9:
+            idx.add(pod, rks, "speculative")
+            ref.setdefault((pod, "speculative"), set()).update(rks)
+            if rng.random() < 0.5:
+                idx.remove_keys(pod, rks, "speculative")
+                ref[(pod, "speculative")].difference_update(rks)
+        elif op < 0.93:
+            idx.clear_pod(pod)
+            for k in [k for k in ref if k[0] == pod]:
+                del ref[k]
+            for k in [k for k in engine if k[0] == pod]:
+                del engine[k]
+        # (engine mappings of blocks no longer held on GPU or CPU may be forgotten)
+        for k in [k for k in engine if not any(
+                engine[k] in ref.get((k[0], m), ()) for m in ("gpu", "cpu"))]:
+            del engine[k]
+        probe = idx.request_keys(rng.choice(prompts), "m")
+        scores, counts, tiers = idx.longest_prefix(probe, pods, weights)
+        want_counts: dict[str, int] = {}
+        want_scores: dict[str, float] = {}
+        for p in pods:
+            n, score = 0, 0.0
+            for rk in probe:
+                media = [m for m in ("gpu", "cpu", "speculative") if rk in ref.get((p, m), ())]
+                if not media:
+                    break
+                n += 1
+                score += max(weights.get(m, 1.0) for m in media)
+            if n:
+                want_counts[p], want_scores[p] = n, score
+        assert counts == want_counts, step
+        assert scores.keys() == want_scores.keys() and all(
+            abs(scores[p] - want_scores[p]) < 1e-9 for p in scores), step
+        assert idx.size() == sum(len(v) for v in ref.values()), step
+        for p, by in tiers.items():
+            for m, n in by.items():
+                assert n == len(list(takewhile(ref.get((p, m), set()).__contains__, probe)))
 
 
 def test_engine_block_size_differs_from_the_epps() -> None:

@@ -3,6 +3,7 @@ a prefix of the real tokenization, with a byte-level BPE tokenizer trained in th
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from pathlib import Path
@@ -195,15 +196,21 @@ def test_a_growing_prompt_tokenizes_only_its_rest(bpe: Tokenizer, tmp_path: Path
     prompt = text(rng, 200)
     encoded: list[int] = []
     real_encode = local._tok.encode
+    real_batch = local._tok.encode_batch
+
+    def counting_batch(ts: list[str], add_special_tokens: bool = True) -> Any:
+        encoded.extend(map(len, ts))
+        return real_batch(ts, add_special_tokens=add_special_tokens)
 
     def counting(t: str, add_special_tokens: bool = True) -> Any:
         encoded.append(len(t))
         return real_encode(t, add_special_tokens=add_special_tokens)
 
+    monkeypatch.setattr(local._tok, "encode_batch", counting_batch)  # (long texts)
     monkeypatch.setattr(local._tok, "encode", counting)
     for turn in range(24):  # a conversation: each turn adds to the end
         prompt = prompt + rng.choice([" ", "\n", "  "]) + text(rng, 60)
-        ids, est = local.tokenize_prefix(None, prompt)
+        ids, est = asyncio.run(local.tokenize_prefix(None, prompt))
         assert est == 0 and ids == real_encode(prompt).ids, turn
     # after the checked ones, only the rest of each prompt went to the tokenizer
     assert local._tail_checks == 0
@@ -223,6 +230,23 @@ def test_tails_turn_off_where_they_would_differ(tmp_path: Path) -> None:
     prompt = text(rng, 30)
     for _ in range(4):
         prompt = prompt + " " + text(rng, len(prompt.split()))
-        ids, est = local.tokenize_prefix(None, prompt)
+        ids, est = asyncio.run(local.tokenize_prefix(None, prompt))
         assert est == 0 and ids == tok.encode(prompt).ids  # never a wrong id
     assert local._tail_checks == -1
+
+
+def test_long_texts_are_encoded_in_the_tokenizers_thread(bpe: Tokenizer, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    from epp.kvcache import tokenization
+
+    local = _local(bpe, tmp_path, ratio=1.0)
+    rng = random.Random(8)
+    prompt = text(rng, 300)
+    inline = asyncio.run(local.tokenize(None, prompt))
+    assert local._pool is None  # short: encoded in place
+    monkeypatch.setattr(tokenization, "THREAD_MIN_CHARS", 1)
+    threaded = asyncio.run(local.tokenize(None, prompt))
+    assert local._pool is not None and threaded == inline == bpe.encode(prompt).ids
+    asyncio.run(local.close())
+    assert local._pool is None

@@ -265,7 +265,25 @@ def _at(fields: list[Any], i: int) -> Any:
     return fields[i] if i < len(fields) else None
 
 
+def _removed_fast(raw: Any) -> BlockRemoved | None:
+    """The common event — vLLM removes blocks one per event — decoded without the general
+    path's copies, or None when it is anything else (then decoded the general way)."""
+    if type(raw) is not tuple or not 2 <= len(raw) <= 4 or raw[0] != TAG_REMOVED:
+        return None
+    hashes = raw[1]
+    medium = raw[2] if len(raw) > 2 else None
+    group = raw[3] if len(raw) > 3 else None
+    if (type(hashes) is tuple and set(map(type, hashes)) <= _INT
+            and (medium is None or type(medium) is str)
+            and (group is None or type(group) is int)):
+        return BlockRemoved(hashes, medium, group)
+    return None
+
+
 def decode_event(raw: Any) -> KVEvent:
+    fast = _removed_fast(raw)
+    if fast is not None:
+        return fast
     f = _positional(raw)
     tag = f[0]
     if tag == TAG_STORED:

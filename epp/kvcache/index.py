@@ -40,7 +40,13 @@ from dataclasses import dataclass
 from itertools import islice, repeat, takewhile
 from typing import Any
 
-from epp.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from epp.kvcache.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    engine_keys,
+)
 from epp.kvcache.hashing import request_keys as chain_keys
 
 __all__ = ["DEFAULT_MEDIUM_WEIGHTS", "BlockIndex", "IndexStats", "event_extra", "normalize_medium"]
@@ -227,14 +233,28 @@ class BlockIndex:
         return rk[-1] if rk else None
 
     def apply(self, pod: str, model: str, batch: KVEventBatch) -> None:
-        """Apply one decoded batch from ``pod`` (llm-d's ``processEventBatch``)."""
+        """Apply one decoded batch from ``pod`` (llm-d's ``processEventBatch``). vLLM
+        sends one ``BlockRemoved`` per evicted block: a run of them on one medium is
+        applied as one removal."""
+        removed: list[int | bytes] = []
+        medium: str | None = None
         for ev in batch.events:
+            if isinstance(ev, BlockRemoved):
+                if removed and ev.medium != medium:
+                    self.remove(pod, engine_keys(removed), normalize_medium(medium))
+                    removed = []
+                medium = ev.medium
+                removed.extend(ev.block_hashes)
+                continue
+            if removed:
+                self.remove(pod, engine_keys(removed), normalize_medium(medium))
+                removed = []
             if isinstance(ev, BlockStored):
                 self.apply_stored(pod, model, ev)
-            elif isinstance(ev, BlockRemoved):
-                self.remove(pod, ev.engine_keys, normalize_medium(ev.medium))
             elif isinstance(ev, AllBlocksCleared):
                 self.clear_pod(pod)
+        if removed:
+            self.remove(pod, engine_keys(removed), normalize_medium(medium))
 
     def apply_stored(self, pod: str, model: str, ev: BlockStored) -> None:
         medium = normalize_medium(ev.medium)

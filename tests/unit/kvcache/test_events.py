@@ -62,6 +62,15 @@ def test_older_shorter_arrays_decode() -> None:
     assert b.data_parallel_rank is None
 
 
+def test_single_block_removals_decode_alike_in_both_layouts() -> None:
+    # (the common event, decoded on a fast path)
+    events = (BlockRemoved((1,), "GPU"), BlockRemoved((2**64 - 1, b"\x01"), None, 3),
+              BlockRemoved((), "CPU", 0))
+    for layout in ("array", "map"):
+        got = decode_batch(encode_batch(KVEventBatch(1.0, events), layout=layout))
+        assert got.events == events, layout
+
+
 @pytest.mark.parametrize(("payload", "message"), [
     (b"\xc1", "not msgpack"),
     (msgpack.packb("x"), "neither an array nor a map"),
@@ -71,6 +80,9 @@ def test_older_shorter_arrays_decode() -> None:
     (msgpack.packb([1.0, [["BlockStored", [1], None, ["a"], 1, None]]]), "token_ids"),
     (msgpack.packb([1.0, [["BlockStored", [1], None, [-1], 1, None]]]), "non-negative 64-bit"),
     (msgpack.packb([1.0, [{"block_hashes": [1]}]]), '"type" tag'),
+    (msgpack.packb([1.0, [["BlockRemoved", [True]]]]), "BlockRemoved: block_hashes"),
+    (msgpack.packb([1.0, [["BlockRemoved", [1], 7]]]), "BlockRemoved: medium"),
+    (msgpack.packb([1.0, [["BlockRemoved", [1], "GPU", "x"]]]), "BlockRemoved: group_idx"),
     (msgpack.packb(["now", []]), "ts is not a number"),
 ])
 def test_bad_payloads_are_named(payload: bytes, message: str) -> None:

@@ -253,3 +253,20 @@ def test_speculative_keys_can_be_removed() -> None:
     assert idx.longest_prefix(keys, [A])[1] == {A: 4}
     idx.remove_keys(A, keys, "speculative")
     assert idx.size() == 0
+
+
+def test_runs_of_single_block_removals_apply_in_order() -> None:
+    # vLLM sends one BlockRemoved per evicted block; a run is applied as one removal, but
+    # never across a store or a change of medium
+    idx = BlockIndex(block_size=16)
+    ev = stored(TOKENS)
+    h = ev.block_hashes
+    idx.apply(A, "m", batch(ev))
+    keys = idx.request_keys(TOKENS, "m")
+    idx.apply(A, "m", batch(
+        BlockRemoved((h[3],), "GPU"), BlockRemoved((h[2],), "GPU"),
+        BlockRemoved((h[1],), "GPU"), BlockRemoved((h[0],), "GPU"),
+        stored(TOKENS[:32]),  # blocks 0 and 1 stored again after their removal
+        BlockRemoved((h[1],), "CPU")))  # nothing held on CPU: no effect
+    assert idx.longest_prefix(keys, [A])[1] == {A: 2}
+    assert idx.size() == 2

@@ -599,6 +599,10 @@ def median_of(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
               "index_memory_bytes"):
         if all(k in r for r in rounds):
             out[k] = statistics.median(r[k] for r in rounds)
+    if all("cpu_s" in r for r in rounds):
+        roles = set.intersection(*(set(r["cpu_s"]) for r in rounds))
+        out["cpu_s"] = {k: statistics.median(r["cpu_s"][k] for r in rounds)
+                        for k in sorted(roles)}
     for k in ("requests", "ok", "errors", "not_sent_or_cut"):
         out[k] = sum(r[k] for r in rounds)
     kinds: Counter[str] = Counter()
@@ -701,6 +705,14 @@ def _ms(x: float) -> str:
     return "-" if math.isnan(x) else f"{x:.0f}"
 
 
+def _router_cpu(m: dict[str, Any]) -> str:
+    """CPU seconds the routing process (the EPP, sglang-router) used while the trace
+    played; "-" where Envoy routes alone (round robin, random) or /proc is missing."""
+    cpu = m.get("cpu_s") or {}
+    own = [v for k, v in cpu.items() if k not in ("envoy", "pods")]
+    return f"{sum(own):.1f}" if own else "-"
+
+
 def table(report: dict[str, Any]) -> str:
     results: dict[str, dict[str, Any]] = report["results"]
     bound = report["ceiling"]["bound"]["hit_rate"]
@@ -721,6 +733,7 @@ def table(report: dict[str, Any]) -> str:
         ("throughput req/s", lambda m: f"{m['throughput_rps']:.2f}"),
         ("requests ok", lambda m: str(m["ok"])),
         ("errors", lambda m: str(m["errors"])),
+        ("router CPU s", _router_cpu),
         ("busiest pod share", lambda m: f"{100 * m['share_max']:.0f}%"),
         ("pod shares %, busiest", lambda m: "/".join(f"{100 * v:.0f}"
                                                       for v in m["share_sorted"])),
@@ -920,10 +933,13 @@ async def run_bench(args: argparse.Namespace, log: Callable[[str], None] = print
                         if args.progress:
                             log(f"  [{label}] {t:5.1f}s  {n:5d} done  {errors} errors")
 
+                    cpu0 = stack.cpu_seconds()
                     samples, elapsed, cut = await play(stack.url, trace,
                                                        duration_s=args.duration,
                                                        drain_s=args.drain, progress=progress)
+                    cpu1 = stack.cpu_seconds()
                     m = summarize(samples, elapsed, cut, stack.pods)
+                    m["cpu_s"] = {k: v - cpu0.get(k, 0.0) for k, v in cpu1.items()}
                     psum, pcount = await pod_ttft(stack.ports)
                     # The readiness probe is one of pcount; its TTFT is ~0.
                     m["pod_ttft_mean_ms"] = 1000 * psum / max(1, pcount - 1)

@@ -241,6 +241,11 @@ def test_summarize_and_median_of() -> None:
     assert med["rounds"] == 3 and med["error_kinds"] == {"HTTP 503": 3}
     flipped = {**m, "share": {"pod0": 0.25, "pod1": 0.75}}
     assert quality.median_of([m, flipped, m])["share_sorted"] == [0.75, 0.25]
+    # CPU seconds by role: medians over rounds of the roles every round has
+    cpu = [{**m, "cpu_s": {"epp": e, "envoy": 1.0, "pods": 3.0}} for e in (2.0, 9.0, 4.0)]
+    cpu[0]["cpu_s"]["tokenizer"] = 1.0
+    assert quality.median_of(cpu)["cpu_s"] == {"envoy": 1.0, "epp": 4.0, "pods": 3.0}
+    assert "cpu_s" not in quality.median_of([m, *cpu])
 
 
 def test_summarize_by_kind_for_mixes() -> None:
@@ -290,6 +295,10 @@ def test_table_and_text_chart() -> None:
                    "skipped sglang: not installed", "target [epp]", "bound 50.0%"):
         assert needle in t, needle
     assert "1.00" in t  # epp's hit rate is the bound
+    assert "router CPU s" in t
+    assert quality._router_cpu({"cpu_s": {"epp": 2.25, "envoy": 1.0, "pods": 5.0}}) == "2.2"
+    assert quality._router_cpu({"cpu_s": {"envoy": 1.0, "pods": 5.0}}) == "-"
+    assert quality._router_cpu({}) == "-"
     txt = quality.text_chart(rep)
     assert "TTFT p90" in txt and "|" in txt
 

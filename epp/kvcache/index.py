@@ -63,6 +63,13 @@ _consume: Callable[[Iterable[Any]], None] = deque(maxlen=0).extend
 _SCALAR = {int, type(None)}
 
 
+def _flatten(mapped: Iterable[int | tuple[int, ...] | None]) -> list[int]:
+    """The request keys of engine-key mappings (a tuple where the engine's blocks are
+    larger than the EPP's; None: not mapped)."""
+    return [r for rk in mapped if rk is not None
+            for r in ((rk,) if isinstance(rk, int) else rk)]
+
+
 def _drop_oldest(d: dict[int, Any], n: int) -> None:
     """Drop the ``n`` oldest entries of an insertion-ordered dict, in one pass."""
     if n > 0:
@@ -270,8 +277,7 @@ class BlockIndex:
             # a medium update (e.g. offload to CPU) without tokens: reuse the known keys
             p = self._pods.get(pod)
             if p is not None:
-                known = [rk for ek in engine if (rk := p.engine.get(ek)) is not None]
-                flat = [r for rk in known for r in ((rk,) if isinstance(rk, int) else rk)]
+                flat = _flatten([p.engine.get(ek) for ek in engine])
                 if flat:
                     p.mapped.add(medium)
                     self._add(p, flat, medium)
@@ -354,10 +360,8 @@ class BlockIndex:
             rks = list(map(emap.pop, eks, repeat(None)))
         else:
             rks = list(map(emap.get, eks))
-        flat: list[Any] = rks  # request keys (and None: not mapped, popped as nothing)
-        if not set(map(type, rks)) <= _SCALAR:  # engine blocks larger than the EPP's
-            flat = [r for rk in rks if rk is not None
-                    for r in ((rk,) if isinstance(rk, int) else rk)]
+        # request keys (None: not mapped, popped as nothing)
+        flat: list[Any] = rks if set(map(type, rks)) <= _SCALAR else _flatten(rks)
         before = len(tier)
         _consume(map(tier.pop, flat, repeat(None)))
         if others:  # a mapping stays while another medium still holds its blocks

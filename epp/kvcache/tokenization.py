@@ -344,7 +344,13 @@ class LocalTokenizer:
                 self.prefix_store.add(text, whole.ids, whole.offsets, salt)
                 right: list[int] = whole.ids
                 return right
-            self._tail_checks = max(0, self._tail_checks - 1)
+            if self._tail_checks > 0:
+                self._tail_checks -= 1
+        elif self._tail_checks < 0:  # another prompt's check turned tails off meanwhile
+            (whole,) = await self._encode_off_loop((text, add))
+            self.prefix_store.add(text, whole.ids, whole.offsets, salt)
+            exact: list[int] = whole.ids
+            return exact
         self.prefix_store.add(text, enc.ids, enc.offsets, salt,
                               first_block=hit.covered // self.prefix_store.block_chars,
                               shift=start)

@@ -250,3 +250,31 @@ def test_long_texts_are_encoded_in_the_tokenizers_thread(bpe: Tokenizer, tmp_pat
     assert local._pool is not None and threaded == inline == bpe.encode(prompt).ids
     asyncio.run(local.close())
     assert local._pool is None
+
+
+def test_a_tail_in_flight_when_tails_turn_off_gets_the_whole_ids(
+        bpe: Tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    local = _local(bpe, tmp_path, ratio=1.0)
+    rng = random.Random(9)
+    prompt = text(rng, 200)
+    asyncio.run(local.tokenize_prefix(None, prompt))  # stored whole
+    local._tail_checks = 0  # checks done: the next tail is not checked
+    real = local._encode_off_loop
+    encoded: list[str] = []
+
+    async def turned_off_meanwhile(*texts: tuple[str, bool]) -> list[Any]:
+        local._tail_checks = -1  # as if a concurrent prompt's check had failed
+        encoded.extend(t for t, _ in texts)
+        return await real(*texts)
+
+    monkeypatch.setattr(local, "_encode_off_loop", turned_off_meanwhile)
+    grown = prompt + " " + text(rng, 60)
+    ids, est = asyncio.run(local.tokenize_prefix(None, grown))
+    assert est == 0 and ids == bpe.encode(grown).ids
+    assert encoded[-1] == grown  # the whole prompt, encoded after the tail
+    assert local._tail_checks == -1
+    # a checked tail finishing after tails turned off does not turn them back on
+    local._tail_checks = 1
+    longer = grown + " " + text(rng, 60)
+    asyncio.run(local.tokenize_prefix(None, longer))
+    assert local._tail_checks == -1

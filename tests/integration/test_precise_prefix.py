@@ -234,29 +234,35 @@ async def test_pods_restart_and_subscribers_reconnect(
     await eventually(lambda: _subscribed(stack, http), what="3 KV-event subscribers")
     a, _, c = pool.ports
     # Several batches first: restarts are recognised by the sequence number going back,
-    # so A's must be well above the few batches it publishes after the restart.
-    for k in range(6):
-        before = await _blocks(stack, http, a)
-        await _warm(http, a, _system(f"{backend}-restart-old{k}"))
-        await eventually(lambda b=before: _grew(stack, http, a, b),
-                         what=lambda: f"sim-{a} indexed")
-    old = await _blocks(stack, http, a)
+    # so each pod's must be well above the few batches it publishes after the restart.
+    old = {}
+    for port in (a, c):
+        for k in range(6):
+            before = await _blocks(stack, http, port)
+            await _warm(http, port, _system(f"{backend}-restart-old{k}"))
+            await eventually(lambda p=port, b=before: _grew(stack, http, p, b),
+                             what=lambda p=port: f"sim-{p} indexed")
+        old[port] = await _blocks(stack, http, port)
     await pool.stop()
     await pool.start()  # same ports, empty caches; each publisher starts again at seq 0
-    # A's first batch seen after the restart (a sequence number below the last one)
-    # drops what the EPP knew of A before: only the new blocks remain. The SUB socket
+    # A pod's first batch seen after the restart (a sequence number below the last one)
+    # drops what the EPP knew of it before: only the new blocks remain. The SUB socket
     # reconnects by itself within ~100 ms; batches published before that are lost (PUB/SUB),
-    # so A is warmed again (a new prefix each time) until one arrives.
+    # so each pod is warmed again (a new prefix each time) until one arrives.
     tries = iter(range(1000))
 
-    async def restarted() -> bool:
-        await _warm(http, a, _system(f"{backend}-restart-a{next(tries)}"))
+    async def restarted(port: int) -> bool:
+        await _warm(http, port, _system(f"{backend}-restart-{port}-{next(tries)}"))
         await asyncio.sleep(0.2)
-        return 10 <= await _blocks(stack, http, a) < old
+        return 10 <= await _blocks(stack, http, port) < old[port]
 
-    await eventually(restarted, interval=0.3, what=lambda: f"sim-{a}'s pre-restart entries "
-                     f"dropped (had {old})")
+    for port in (a, c):
+        await eventually(lambda p=port: restarted(p), interval=0.3,
+                         what=lambda p=port: f"sim-{p}'s pre-restart entries dropped "
+                         f"(had {old[p]})")
+    # C's subscriber is connected again: a prefix C caches now is indexed and followed.
     system = _system(f"{backend}-restart-new")
+    before = await _blocks(stack, http, c)
     await _warm(http, c, system)
+    await eventually(lambda: _grew(stack, http, c, before), what=f"sim-{c} indexed")
     await _routes_to(stack, http, system, c)
-

@@ -115,8 +115,10 @@ EPP_ROUTERS: Final[dict[str, str]] = {"epp": RESPONSE_PATH_LEAN, EPP_INLINE: RES
 EPP_PRECISE: Final = "epp-precise"
 #: The built-in default config with the approximate producer replaced by the precise one
 #: (same scorers, same weights), speculative indexing on as llm-d's perf config, the
-#: approximate producer's balance guard (``balanceAbsThreshold``, this project's), and
-#: tokenization in process with the prefix store (``token-producer`` ``local``).
+#: approximate producer's balance guard (``balanceAbsThreshold``, this project's),
+#: tokenization in process with the prefix store (``token-producer`` ``local``), and
+#: ``pending-prefill-scorer`` (weight 1): the prefill work each pod's events show still
+#: to do, so a miss goes to a pod that is not prefilling.
 PRECISE_CONFIG: Final = """\
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
@@ -143,6 +145,7 @@ plugins:
   parameters: {prefixMatchInfoProducerName: precise-prefix-cache-producer}
 - type: queue-scorer
 - type: kv-cache-utilization-scorer
+- type: pending-prefill-scorer
 - type: max-score-picker
 dataLayer:
   sources:
@@ -158,6 +161,7 @@ schedulingProfiles:
   - {pluginRef: no-hit-lru-scorer, weight: 1}
   - {pluginRef: queue-scorer, weight: 1}
   - {pluginRef: kv-cache-utilization-scorer, weight: 1}
+  - {pluginRef: pending-prefill-scorer, weight: 1}
   - {pluginRef: max-score-picker}
 """
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import islice, repeat, takewhile
+from itertools import filterfalse, islice, repeat, takewhile
 from typing import Any
 
 from epp.kvcache.events import (
@@ -133,12 +133,14 @@ class _Pod:
     request key (an int, or a tuple when the engine's block size differs). Plain dicts:
     insertion-ordered, and their bulk updates run at C speed (OrderedDict's do not)."""
 
-    __slots__ = ("engine", "mapped", "tiers")
+    __slots__ = ("engine", "mapped", "pending", "tiers")
 
     def __init__(self) -> None:
         self.tiers: dict[str, dict[int, None]] = {}
         self.engine: dict[int, int | tuple[int, ...]] = {}
         self.mapped: set[str] = set()  # media the engine's events named
+        # request keys sent to the pod that its events have not reported stored yet
+        self.pending: dict[int, None] = {}
 
     def size(self) -> int:
         return sum(map(len, self.tiers.values()))
@@ -332,6 +334,8 @@ class BlockIndex:
         if not tier.keys().isdisjoint(rks):  # blocks it held already: now the newest
             _consume(map(tier.pop, rks, repeat(None)))
         tier.update(dict.fromkeys(rks))
+        if p.pending and medium in p.mapped:  # the engine computed them: no longer pending
+            _consume(map(p.pending.pop, rks, repeat(None)))
         added = len(tier) - before
         self.admissions += added
         self._entries += added
@@ -386,6 +390,32 @@ class BlockIndex:
         gone = before - len(tier)
         self._entries -= gone
         self.evictions += gone
+
+    def add_pending(self, pod: str, request_keys: Sequence[int]) -> int:
+        """Record that ``pod`` was sent a prompt with these block keys: those it holds on
+        no medium its events named are *pending* (to be computed) until a ``BlockStored``
+        reports them or :meth:`remove_pending` drops them. Returns how many were new."""
+        p = self._pod(pod)
+        new: Iterable[int] = request_keys
+        for m, t in p.tiers.items():
+            if t and m in p.mapped:
+                new = filterfalse(t.__contains__, new)
+        pending = p.pending
+        before = len(pending)
+        pending.update(dict.fromkeys(new))
+        _drop_oldest(pending, len(pending) - self.max_blocks_per_pod)
+        return len(pending) - before
+
+    def remove_pending(self, pod: str, request_keys: Iterable[int]) -> None:
+        p = self._pods.get(pod)
+        if p is not None and p.pending:
+            _consume(map(p.pending.pop, request_keys, repeat(None)))
+
+    def pending_blocks(self, pod: str) -> int:
+        """Blocks sent to ``pod`` that its events have not reported stored yet: the prefill
+        work queued or in progress there, as far as this index knows."""
+        p = self._pods.get(pod)
+        return len(p.pending) if p is not None else 0
 
     def clear_pod(self, pod: str) -> None:
         """Forget everything ``pod`` holds (``AllBlocksCleared``, a sequence gap or restart,

@@ -91,6 +91,7 @@ BUILTIN_PLUGINS: tuple[type, ...] = (
     token_producer.LegacyTokenizer,
     precise_prefix.PrecisePrefixCacheProducer,  # issue 15: KV-event prefix routing
     precise_prefix.PrecisePrefixCacheScorer,
+    precise_prefix.PendingPrefillScorer,
     predicted_ttft.PredictedTTFTScorer,  # issue 17: TTFT model (docs/plugins.md)
     filters.LabelSelectorFilter,
     filters.ByLabelSelectorFilter,

@@ -58,6 +58,7 @@ from epp.errors import ConfigError
 from epp.framework import interfaces as fw
 from epp.framework.handle import PluginHandle
 from epp.framework.params import (
+    ParameterError,
     config_warning,
     current_policy,
     decode_params,
@@ -318,6 +319,8 @@ class PrecisePrefixCacheProducer:
         self.lookups = 0
         self.lookup_hits = 0
         self.inflight: dict[str, int] = {}
+        # set by pending-prefill-scorer: record each decision's uncomputed blocks
+        self.track_pending = False
         # llm-d's legacy producer: the tokenizer of tokenizersPoolConfig, run when a
         # request reaches the producer without tokens (set by precise-prefix-cache-scorer).
         self.pool: TokenProducer | None = None
@@ -523,7 +526,7 @@ class PrecisePrefixCacheProducer:
         if self.params.balance_abs_threshold > 0 and result.primary.endpoints:
             key = result.primary.endpoints[0].key
             self.inflight[key] = self.inflight.get(key, 0) + 1
-        if not self.params.speculative_indexing:
+        if not (self.params.speculative_indexing or self.track_pending):
             return
         keys = self.block_keys(request)
         if not keys:
@@ -542,13 +545,19 @@ class PrecisePrefixCacheProducer:
     def _speculate(self, loop: asyncio.AbstractEventLoop | None, pods: list[str],
                    keys: list[int]) -> None:
         for pod in pods:
-            self.index.add(pod, keys, SPECULATIVE)
+            if self.track_pending:
+                self.index.add_pending(pod, keys)
+            if self.params.speculative_indexing:
+                self.index.add(pod, keys, SPECULATIVE)
         if loop is not None:
             loop.call_later(self.params.speculative_ttl, self._expire, pods, keys)
 
     def _expire(self, pods: list[str], keys: list[int]) -> None:
         for pod in pods:
-            self.index.remove_keys(pod, keys, SPECULATIVE)
+            if self.track_pending:
+                self.index.remove_pending(pod, keys)
+            if self.params.speculative_indexing:
+                self.index.remove_keys(pod, keys, SPECULATIVE)
 
     # ------------------------------------------------------------------ metrics
 
@@ -609,6 +618,77 @@ class PrecisePrefixCacheScorer:
             return [0.0] * len(endpoints)
         return [matched.get(e.key, 0) / total for e in endpoints]
 
+
+
+@dataclass(frozen=True)
+class PendingPrefillParameters:
+    producer_name: str | None = param("prefixMatchInfoProducerName", None)
+
+    def __post_init__(self) -> None:
+        if self.producer_name is not None and not self.producer_name:
+            raise ParameterError("prefixMatchInfoProducerName", "must not be empty")
+
+
+class PendingPrefillScorer:
+    """``pending-prefill-scorer`` (this project's): fewer blocks still to be computed on a
+    candidate scores higher.
+
+    The ``precise-prefix-cache-producer`` it reads records, after each decision, the
+    prompt blocks the chosen pod did not hold; the pod's KV events take them off as its
+    engine stores them (``BlockStored``), and ``speculativeTTL`` drops any left. So each
+    pod's count is the prefill work queued or in progress there, learnt from the engine
+    itself rather than from a scrape or an estimate. A cold request (no candidate holds
+    any of its blocks) scores ``(max − p) / max`` over the candidates (1 for all when none
+    has any): it goes to a pod that is not prefilling, where a request count cannot tell
+    a prefill from a decode. A warm request scores 1 everywhere: where part of the prompt
+    is cached, affinity and the other load signals decide (scoring those too pulled
+    conversations off their pods)."""
+
+    type_name = "pending-prefill-scorer"
+    Parameters = PendingPrefillParameters
+
+    def __init__(self, name: str, producer_name: str | None = None) -> None:
+        self.name = name
+        self.producer_name = producer_name
+        self.producer: PrecisePrefixCacheProducer | None = None
+
+    @classmethod
+    def from_params(cls, name: str, params: PendingPrefillParameters,
+                    handle: PluginHandle) -> PendingPrefillScorer:
+        return cls(name, params.producer_name)
+
+    def bind(self, handle: PluginHandle) -> None:
+        if self.producer_name is not None:
+            found = handle.get(self.producer_name)
+            if not isinstance(found, PrecisePrefixCacheProducer):
+                what = "no such plugin" if found is None else f"a {found.type_name}"
+                raise ConfigError(f"{self.name}: prefixMatchInfoProducerName "
+                                  f"{self.producer_name!r}: {what}, not a "
+                                  "precise-prefix-cache-producer")
+            self.producer = found
+        else:
+            producers = handle.of_type(PrecisePrefixCacheProducer)
+            if len(producers) != 1:
+                raise ConfigError(f"{self.name}: needs exactly one "
+                                  "precise-prefix-cache-producer (found "
+                                  f"{len(producers)}); name it with "
+                                  "prefixMatchInfoProducerName")
+            self.producer = producers[0]
+        self.producer.track_pending = True
+
+    def score(self, state: CycleState, request: LLMRequest,
+              endpoints: Sequence[Endpoint]) -> Sequence[float]:
+        assert self.producer is not None, "bind() not called"
+        n = len(endpoints)
+        _, matched = self.producer.match(state, request, endpoints)
+        if any(v > 0 for v in matched.values()):
+            return [1.0] * n  # a candidate holds part of the prompt: affinity decides
+        pending = self.producer.index.pending_blocks
+        counts = [pending(e.key) for e in endpoints]
+        hi = max(counts, default=0)
+        if hi <= 0:
+            return [1.0] * n
+        return [(hi - c) / hi for c in counts]
 
 
 

@@ -91,6 +91,7 @@ BUILTIN_TYPES = [
     "p2p-source-producer",
     "passthrough-parser",
     "pd-profile-handler",
+    "pending-prefill-scorer",
     "precise-prefix-cache-producer",
     "precise-prefix-cache-scorer",
     "predicted-latency-producer",

@@ -270,3 +270,28 @@ def test_runs_of_single_block_removals_apply_in_order() -> None:
         BlockRemoved((h[1],), "CPU")))  # nothing held on CPU: no effect
     assert idx.longest_prefix(keys, [A])[1] == {A: 2}
     assert idx.size() == 2
+
+
+def test_pending_blocks_are_those_not_held_until_the_engine_stores_them() -> None:
+    idx = BlockIndex(block_size=16, max_blocks_per_pod=100)
+    idx.apply(A, "m", batch(stored(TOKENS[:32])))  # A holds the first 2 blocks
+    keys = idx.request_keys(TOKENS, "m")
+    assert idx.add_pending(A, keys) == 2  # only the 2 it lacks are to be computed
+    assert idx.add_pending(B, keys) == 4 and idx.pending_blocks(B) == 4
+    assert idx.add_pending(A, keys) == 0  # the same prompt again: still 2
+    # speculative entries (a medium no event named) are not "held"
+    idx.add(B, keys, "speculative")
+    assert idx.add_pending(B, keys) == 0 and idx.pending_blocks(B) == 4
+    # the engine reports the blocks stored: no longer pending
+    idx.apply(A, "m", batch(stored(TOKENS[32:], parent=block_hashes(TOKENS[:32], 16,
+                                                                        seed="0")[-1])))
+    assert idx.pending_blocks(A) == 0
+    idx.remove_pending(B, keys[:3])
+    assert idx.pending_blocks(B) == 1
+    idx.clear_pod(B)
+    assert idx.pending_blocks(B) == 0
+    assert idx.pending_blocks("nobody") == 0
+    # bounded per pod like the media
+    small = BlockIndex(block_size=16, max_blocks_per_pod=3)
+    small.add_pending(A, keys)
+    assert small.pending_blocks(A) == 3

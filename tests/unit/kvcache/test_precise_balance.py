@@ -64,3 +64,104 @@ async def test_speculative_entries_follow_the_decision_and_expire() -> None:
     assert prod.index.longest_prefix(keys, [e.key for e in eps])[1] == {eps[1].key: 4}
     await asyncio.sleep(0.3)
     assert prod.index.longest_prefix(keys, [e.key for e in eps])[1] == {}
+
+
+async def test_pending_prefill_scorer_counts_blocks_until_the_engine_stores_them() -> None:
+    import asyncio
+
+    from epp.config.loader import load_and_build
+    from epp.kvcache.events import BlockStored, KVEventBatch
+    from epp.kvcache.hashing import block_hashes
+    from epp.kvcache.tokenization import TokenizedPrompt
+    from epp.scheduling.plugins.precise_prefix import PendingPrefillScorer
+    from epp.scheduling.plugins.token_producer import TOKENIZED_PROMPT
+    from epp.scheduling.types import (
+        ApiType,
+        CycleState,
+        LLMRequest,
+        ProfileRunResult,
+        SchedulingResult,
+    )
+
+    cfg = load_and_build(text="""
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: token-producer
+- type: precise-prefix-cache-producer
+  parameters: {speculativeTTL: 300ms, kvEventsConfig: {discoverPods: false}}
+- type: pending-prefill-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - {pluginRef: pending-prefill-scorer, weight: 1}
+  - {pluginRef: max-score-picker}
+""")
+    scorer = next(p for p in cfg.plugins.values() if isinstance(p, PendingPrefillScorer))
+    prod = scorer.producer
+    assert prod is not None and prod.track_pending and not prod.params.speculative_indexing
+    eps = _eps()
+    tokens = tuple(range(64))
+
+    def request(rid: str, ids: tuple[int, ...]) -> LLMRequest:
+        r = LLMRequest(rid, "m", "m", ApiType.COMPLETIONS, "", {})
+        r.plugin_state[TOKENIZED_PROMPT] = TokenizedPrompt(ids)
+        return r
+
+    def sent(r: LLMRequest, i: int) -> None:
+        prod.pre_request(r, SchedulingResult({"default": ProfileRunResult((eps[i],))},
+                                             "default"))
+
+    def cold() -> list[float]:  # a prompt no pod holds
+        return list(scorer.score(CycleState(), request("cold", tuple(range(500, 564))), eps))
+
+    r = request("r", tokens)
+    assert cold() == [1.0, 1.0, 1.0]  # nothing pending anywhere
+    sent(r, 1)
+    await asyncio.sleep(0)  # recorded on the loop's next turn
+    assert cold() == [1.0, 0.0, 1.0]
+    # no speculative entries without speculativeIndexing: pending only
+    assert prod.index.longest_prefix(prod.block_keys(r), [eps[1].key])[1] == {}
+    # b's engine stores the first two blocks: half of its work is done
+    hashes = block_hashes(list(tokens), 16, seed="0")
+    prod.index.apply(eps[1].key, "m", KVEventBatch(1.0, (BlockStored(
+        tuple(hashes[:2]), None, tokens[:32], 16, None, "GPU", None, None),)))
+    sent(request("r2", tokens[:16]), 1)  # a block b holds is not pending
+    sent(request("r3", tuple(range(900, 932))), 0)  # 2 new blocks for a
+    await asyncio.sleep(0)
+    assert prod.index.pending_blocks(eps[1].key) == 2
+    assert cold() == [0.0, 0.0, 1.0]
+    # a warm request (b holds its first blocks) scores 1 everywhere: affinity decides
+    assert scorer.score(CycleState(), r, eps) == [1.0, 1.0, 1.0]
+    await asyncio.sleep(0.4)  # speculativeTTL: whatever is left stops counting
+    assert cold() == [1.0, 1.0, 1.0]
+
+
+def test_pending_prefill_scorer_needs_a_precise_producer() -> None:
+    import pytest
+
+    from epp.config.loader import load_and_build
+    from epp.errors import ConfigError
+
+    base = """
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+{extra}- type: pending-prefill-scorer
+  {params}
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - {{pluginRef: pending-prefill-scorer}}
+  - {{pluginRef: max-score-picker}}
+"""
+    with pytest.raises(ConfigError, match="exactly one precise-prefix-cache-producer"):
+        load_and_build(text=base.format(extra="", params=""))
+    with pytest.raises(ConfigError, match="'max-score-picker': a max-score-picker, not a"):
+        load_and_build(text=base.format(
+            extra="", params="parameters: {prefixMatchInfoProducerName: max-score-picker}"))
+    with pytest.raises(ConfigError, match="must not be empty"):
+        load_and_build(text=base.format(
+            extra="", params="parameters: {prefixMatchInfoProducerName: ''}"))

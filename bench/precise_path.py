@@ -8,6 +8,10 @@ system prompt and a 200-word question, tokenized with the bench's word-level tok
   rendered, the prompt encoded);
 - ``tokenize-covered``: with the prefix store, the system prompt seen before (a new
   question): the leading ids come from the store;
+- ``tokenize-leading``: with the prefix store, a system prompt not seen before, as
+  ``token-producer`` serves it beside ``precise-prefix-cache-producer``: until its
+  leading ids are there (the probe; the whole tokenization, left to the tokenizer's thread
+  and waited for untimed, is ``tokenize-whole``);
 - ``tokenize-tail``: with the prefix store, a conversation's next turn (300 words more
   than a stored prompt): only the rest is encoded;
 - ``store-add``: recording one whole tokenization in the store;
@@ -32,6 +36,7 @@ import random
 import statistics
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -76,6 +81,19 @@ def run(n_words: int, rounds: int, reps: int) -> dict[str, Any]:
         tailer.prefix_store = store = TokenPrefixStore()
         store.add(text, ids, offsets)
         wait(tailer.tokenize_prefix(grown, ""))
+    leader = LocalTokenizer(path, prefix_store=TokenPrefixStore(), min_prefix_overlap=0.8)
+
+    def leading() -> float:  # µs until the leading ids, per call (each a new prompt)
+        spent = 0
+        for _ in range(reps):
+            body = chat(f"{next(q)} {system}", questions[0])
+            t0 = time.perf_counter_ns()
+            _, _, rest = wait(leader.tokenize_leading(body, ""))
+            spent += time.perf_counter_ns() - t0
+            if rest is not None:
+                wait(rest)
+        return spent / reps / 1000
+
     block = 16
     n_blocks = len(ids) // block
     hashes = tuple(rng.randrange(1 << 64) for _ in range(n_blocks))
@@ -106,13 +124,14 @@ def run(n_words: int, rounds: int, reps: int) -> dict[str, Any]:
         "events": events,
         "lookup": lookup,
     }
-    samples: dict[str, list[float]] = {k: [] for k in cases}
+    samples: dict[str, list[float]] = {k: [] for k in [*cases, "tokenize-leading"]}
     for _ in range(rounds):
         for name, fn in cases.items():
             samples[name].append(_time(fn, reps))
+        samples["tokenize-leading"].append(leading())
     med = {k: statistics.median(v) for k, v in samples.items()}
     med["tokenize-tail"] = max(0.0, med["tokenize-tail"] - med["store-add"])
-    for t in (whole, covered, tailer):
+    for t in (whole, covered, tailer, leader):
         loop.run_until_complete(t.close())
     loop.close()
     return {"words": n_words, "tokens": len(ids), "blocks": n_blocks, "rounds": rounds,

@@ -9,9 +9,11 @@ chat template unless ``chat_template=None``). Returns ``dir``.
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
+from typing import Any
 
-__all__ = ["CHAT_TEMPLATE", "CORPUS", "build_tokenizer"]
+__all__ = ["CHAT_TEMPLATE", "CORPUS", "WORDS", "build_tokenizer", "byte_level_bpe", "text"]
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
@@ -44,3 +46,26 @@ def build_tokenizer(directory: Path, *, chat_template: str | None = CHAT_TEMPLAT
         config["chat_template"] = chat_template
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return directory
+
+
+WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota",
+         "kappa", "lambda", "mu", "nu", "xi", "omicron", "pi", "rho", "sigma", "tau"]
+
+
+def text(rng: random.Random, n: int) -> str:
+    """``n`` of ``WORDS`` drawn with ``rng``, space-separated."""
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def byte_level_bpe() -> Any:
+    """A byte-level BPE (GPT-2 style pre-tokenizer) trained on ``WORDS`` prose."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    rng = random.Random(0)
+    corpus = [text(rng, 40) for _ in range(200)]
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return tok

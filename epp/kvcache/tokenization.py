@@ -25,9 +25,11 @@ import functools
 import json
 import logging
 import pathlib
+from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any, Protocol
 
 import aiohttp
@@ -50,6 +52,12 @@ log = logging.getLogger(__name__)
 TAIL_CHECKS = 16
 #: Texts from this many characters on are encoded in the tokenizer's thread.
 THREAD_MIN_CHARS = 4096
+#: A probe (see :meth:`LocalTokenizer.tokenize_leading`) encodes this many leading
+#: characters and keeps the tokens ending before its last ``PROBE_MARGIN_CHARS``.
+PROBE_CHARS = 1024
+PROBE_MARGIN_CHARS = 256
+
+_end = itemgetter(1)
 
 COMPLETIONS_RENDER_PATH = "/v1/completions/render"
 CHAT_RENDER_PATH = "/v1/chat/completions/render"
@@ -71,6 +79,9 @@ class TokenizedPrompt:
     #: tokenization, :mod:`epp.kvcache.prefix_store`): the whole prompt's token count,
     #: estimated from the share of its characters those ids cover. 0: the ids are whole.
     estimated_total: int = 0
+    #: When the ids are a leading part handed out early (:meth:`LocalTokenizer.
+    #: tokenize_leading`): the whole prompt's ids, still being tokenized.
+    whole: asyncio.Future[list[int]] | None = field(default=None, compare=False, repr=False)
 
     @property
     def token_count(self) -> int:
@@ -213,6 +224,8 @@ class LocalTokenizer:
         self.min_prefix_overlap = min_prefix_overlap
         #: Tail tokenizations still to check against whole ones (-1: tails are off).
         self._tail_checks = TAIL_CHECKS
+        #: Probes agree with whole tokenizations so far (see ``tokenize_leading``).
+        self._probe_ok = True
         self._pool: ThreadPoolExecutor | None = None  # the tokenizer's thread, made on use
 
         p = pathlib.Path(path)
@@ -236,6 +249,15 @@ class LocalTokenizer:
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
             template = named.get("default")
         self.chat_template: str | None = template if isinstance(template, str) else None
+        if self.chat_template is not None:
+            # compiled now: a broken template fails at startup, and the first chat request
+            # does not wait for jinja (~0.1 s)
+            from jinja2 import TemplateError
+
+            try:
+                _compiled_template(self.chat_template)
+            except TemplateError as e:
+                raise ValueError(f"the chat template does not compile: {e}") from None
 
     async def close(self) -> None:
         if self._pool is not None:
@@ -311,13 +333,74 @@ class LocalTokenizer:
         salt = int(add)
         hit = store.lookup(text, salt)
         if hit.covered and hit.coverage >= self.min_prefix_overlap:
-            return hit.token_ids, max(len(hit.token_ids), round(len(hit.token_ids) / hit.coverage))
-        if hit.token_ids and self._tail_checks >= 0:
-            return await self._tail(text, add, salt, hit), 0
+            return hit.token_ids, _estimate(hit.token_ids, hit.covered, len(text))
+        return await self._rest(text, add, salt, hit), 0
+
+    async def _rest(self, text: str, add: bool, salt: int, hit: PrefixLookup | None
+                    ) -> list[int]:
+        """The whole prompt's ids when the store (if any) did not cover enough of it."""
+        store = self.prefix_store
+        if hit is not None and hit.token_ids and self._tail_checks >= 0:
+            return await self._tail(text, add, salt, hit)
         (enc,) = await self._encode_off_loop((text, add))
         ids: list[int] = enc.ids
-        store.add(text, ids, enc.offsets, salt)
-        return ids, 0
+        if store is not None:
+            store.add(text, ids, enc.offsets, salt)
+        return ids
+
+    async def tokenize_leading(self, body: Mapping[str, Any] | None, prompt: str
+                               ) -> tuple[list[int], int, asyncio.Future[list[int]] | None]:
+        """``(ids, estimated total, whole)``: as :meth:`tokenize_prefix` (or
+        :meth:`tokenize` without a store) — ``whole`` None — except where that would
+        encode a long text (from ``THREAD_MIN_CHARS`` characters on, the ~2–10 ms that
+        tokenizing a new long prompt takes): then it answers at once with the prompt's
+        leading ids (the store's partial hit, else a probe: the first ``PROBE_CHARS``
+        characters encoded, less the tokens ending in the last ``PROBE_MARGIN_CHARS``,
+        where the rest of the text may cut a word otherwise) and starts the whole
+        tokenization in the tokenizer's thread, as ``whole``. A precise prefix lookup that
+        finds no pod holding all of those leading blocks has its answer without the rest
+        (block keys chain: no pod can match further). The probe is exact where the prefix
+        store is (its module docstring); each whole tokenization checks it, and one
+        difference turns probes off for good (logged)."""
+        text, add = self._text(body, prompt)
+        if isinstance(text, list):
+            return text, 0, None
+        salt = int(add)
+        store = self.prefix_store
+        hit = store.lookup(text, salt) if store is not None else None
+        if hit is not None and hit.covered and hit.coverage >= self.min_prefix_overlap:
+            return hit.token_ids, _estimate(hit.token_ids, hit.covered, len(text)), None
+        start = hit.token_end if hit is not None and hit.token_ids else 0
+        if len(text) - start < THREAD_MIN_CHARS or (not start and not self._probe_ok):
+            return await self._rest(text, add, salt, hit), 0, None
+        if start:
+            assert hit is not None
+            lead, covered = hit.token_ids, hit.covered
+            whole = asyncio.ensure_future(self._rest(text, add, salt, hit))
+        else:
+            lead, covered = self._probe(text, add)
+            whole = asyncio.ensure_future(self._checked(text, add, salt, lead))
+        return lead, _estimate(lead, covered, len(text)), whole
+
+    def _probe(self, text: str, add: bool) -> tuple[list[int], int]:
+        cut = PROBE_CHARS - PROBE_MARGIN_CHARS
+        enc = self._tok.encode(text[:PROBE_CHARS], add_special_tokens=add)
+        offsets = enc.offsets
+        m = len(offsets)
+        while m and offsets[m - 1][1] == 0:  # special tokens added after the text
+            m -= 1
+        keep = bisect_right(offsets, cut, 0, m, key=_end)
+        ids: list[int] = enc.ids[:keep]
+        return ids, cut
+
+    async def _checked(self, text: str, add: bool, salt: int, lead: list[int]) -> list[int]:
+        ids = await self._rest(text, add, salt, None)
+        if self._probe_ok and ids[:len(lead)] != lead:
+            self._probe_ok = False
+            log.warning("local tokenizer: a prompt's first %d characters tokenized on their "
+                        "own give other leading ids than the whole prompt's; probes are off "
+                        "(new long prompts wait for their whole tokenization)", PROBE_CHARS)
+        return ids
 
     async def _tail(self, text: str, add: bool, salt: int, hit: PrefixLookup) -> list[int]:
         """The whole prompt's ids as the stored prefix's plus the rest's, tokenized on its
@@ -355,6 +438,14 @@ class LocalTokenizer:
                               first_block=hit.covered // self.prefix_store.block_chars,
                               shift=start)
         return ids
+
+
+def _estimate(ids: Sequence[int], covered: int, length: int) -> int:
+    """A prompt's token count from the ids of its first ``covered`` of ``length``
+    characters."""
+    if not covered:
+        return len(ids)
+    return max(len(ids), round(len(ids) * length / covered))
 
 
 @functools.lru_cache(maxsize=16)

@@ -50,7 +50,11 @@ from epp.errors import ConfigError
 from epp.framework import interfaces as fw
 from epp.framework.handle import PluginHandle
 from epp.framework.params import ParameterError, param
-from epp.scheduling.plugins.token_producer import TOKENIZED_PROMPT, tokenized
+from epp.scheduling.plugins.token_producer import (
+    TOKENIZED_PROMPT,
+    tokenized,
+    whole_tokenization,
+)
 from epp.scheduling.types import CycleState, Endpoint, LLMRequest, SchedulingResult
 
 log = logging.getLogger(__name__)
@@ -396,6 +400,7 @@ class BurstPrefixCacheProducer:
 
     async def prepare_request_data(self, request: LLMRequest,
                                    endpoints: Sequence[Endpoint]) -> None:
+        await whole_tokenization(request)  # all of the prompt's blocks, not a leading part
         entry = BurstEntry(self.hashes(request), endpoints)
         batch = self._batch
         if batch is None:

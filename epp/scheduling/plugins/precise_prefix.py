@@ -72,8 +72,13 @@ from epp.kvcache.subscriber import (
     SubscriberManager,
     zmq_addresses,
 )
-from epp.kvcache.tokenization import LocalTokenizer
-from epp.scheduling.plugins.token_producer import TOKENIZED_PROMPT, TokenProducer, tokenized
+from epp.kvcache.tokenization import LocalTokenizer, TokenizedPrompt
+from epp.scheduling.plugins.token_producer import (
+    TOKENIZED_PROMPT,
+    TokenProducer,
+    tokenized,
+    whole_tokenization,
+)
 from epp.scheduling.types import CycleState, Endpoint, LLMRequest, SchedulingResult
 
 log = logging.getLogger(__name__)
@@ -343,6 +348,8 @@ class PrecisePrefixCacheProducer:
         tokenizers pool (llm-d's legacy producer) none is needed: the producer then
         consumes nothing (llm-d drops the dependency), unless a token-producer is declared,
         which then runs first and the pool only tokenizes what it left untokenized."""
+        for producer in handle.of_type(TokenProducer):
+            producer.early = True  # long new prompts: leading ids first (prepare_request_data)
         if self.pool is not None:
             if not handle.of_type(TokenProducer):
                 self.consumes = MappingProxyType({})
@@ -440,19 +447,19 @@ class PrecisePrefixCacheProducer:
     # ------------------------------------------------------------------ per request
 
     def block_keys(self, request: LLMRequest) -> list[int]:
-        cached: list[int] | None = request.plugin_state.get(self.name)
-        if cached is not None:
-            return cached
         tp = tokenized(request)
         if tp is None:
             return []
+        cached: tuple[TokenizedPrompt, list[int]] | None = request.plugin_state.get(self.name)
+        if cached is not None and cached[0] is tp:
+            return cached[1]
         try:
             keys = self.index.request_keys(tp.token_ids, request.target_model, tp.cache_salt)
         except ValueError as e:  # ids a client sent itself (a completions prompt of ids)
             log.warning("%s: request %s: no precise prefix match: %s", self.name,
                         request.request_id, e)
             keys = []
-        request.plugin_state[self.name] = keys
+        request.plugin_state[self.name] = (tp, keys)
         return keys
 
     def compute(self, request: LLMRequest, endpoints: Sequence[Endpoint]) -> PrefixMatch:
@@ -476,9 +483,21 @@ class PrecisePrefixCacheProducer:
         self._ensure_started()
         if self.pool is not None and tokenized(request) is None:
             await self.pool.prepare_request_data(request, endpoints)
-        if tokenized(request) is not None:
-            request.plugin_state[f"{_STATE}/{self.name}"] = (
-                tuple(e.key for e in endpoints), self.compute(request, endpoints))
+        tp = tokenized(request)
+        if tp is None:
+            return
+        info = self.compute(request, endpoints)
+        if tp.whole is not None and not self._settled(request, info):
+            # some pod holds every leading block: how far it goes needs the rest
+            tp = await whole_tokenization(request)
+            info = self.compute(request, endpoints)
+        request.plugin_state[f"{_STATE}/{self.name}"] = (tuple(e.key for e in endpoints), info)
+
+    def _settled(self, request: LLMRequest, info: PrefixMatch) -> bool:
+        """Whether a match on the prompt's leading ids is the whole prompt's: no candidate
+        holds all of those blocks, so none can match further (keys chain)."""
+        keys = self.block_keys(request)
+        return bool(keys) and max(info.cached_blocks.values(), default=0) < len(keys)
 
     def match_info(self, state: CycleState, request: LLMRequest,
                    endpoints: Sequence[Endpoint]) -> PrefixMatch:
@@ -529,18 +548,28 @@ class PrecisePrefixCacheProducer:
         if not (self.params.speculative_indexing or self.track_pending):
             return
         keys = self.block_keys(request)
-        if not keys:
-            return
         chosen = list(dict.fromkeys(e.key for prof in result.profile_results.values()
                                     if prof is not None for e in prof.endpoints[:1]))
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
-            self._speculate(None, chosen, keys)
+            if keys:
+                self._speculate(None, chosen, keys)
             return
         # Off the decision's path: the next turn of the loop, after the answer is handed
         # to gRPC (a few hundred blocks cost ~0.1 ms per pod to index).
-        loop.call_soon(self._speculate, loop, chosen, keys)
+        if keys:
+            loop.call_soon(self._speculate, loop, chosen, keys)
+        tp = tokenized(request)
+        if tp is not None and tp.whole is not None:  # the rest once it is tokenized
+            tp.whole.add_done_callback(
+                lambda _f: self._speculate_rest(loop, request, chosen, len(keys)))
+
+    def _speculate_rest(self, loop: asyncio.AbstractEventLoop, request: LLMRequest,
+                        pods: list[str], done: int) -> None:
+        rest = self.block_keys(request)[done:]
+        if rest:
+            self._speculate(loop, pods, rest)
 
     def _speculate(self, loop: asyncio.AbstractEventLoop | None, pods: list[str],
                    keys: list[int]) -> None:

@@ -30,6 +30,8 @@ multi-worker front) the prompt text is tokenized as a completion.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -136,6 +138,10 @@ class TokenProducer:
         self.name = name
         self.backend = backend
         self.failures = 0
+        #: Hand out a long new prompt's leading ids at once and the whole later
+        #: (``TokenizedPrompt.whole``): set by a consumer that can use them
+        #: (``precise-prefix-cache-producer``), for the local backend only.
+        self.early = False
 
     @classmethod
     def from_params(cls, name: str, params: TokenProducerParameters,
@@ -171,8 +177,12 @@ class TokenProducer:
         body = request.plugin_state.get(keys.PLUGIN_STATE_REQUEST_BODY)
         backend = self.backend
         estimated_total = 0
+        whole: asyncio.Future[list[int]] | None = None
         try:
-            if isinstance(backend, LocalTokenizer) and backend.prefix_store is not None:
+            if isinstance(backend, LocalTokenizer) and self.early:
+                ids, estimated_total, whole = await with_budget(
+                    backend.tokenize_leading(body, request.prompt), PREPARE_DATA_TIMEOUT_S)
+            elif isinstance(backend, LocalTokenizer) and backend.prefix_store is not None:
                 ids, estimated_total = await with_budget(
                     backend.tokenize_prefix(body, request.prompt), PREPARE_DATA_TIMEOUT_S)
             else:
@@ -182,9 +192,22 @@ class TokenProducer:
             self.failures += 1
             log.warning("%s: request %s not tokenized: %s", self.name, request.request_id, e)
             return
+        if whole is not None:
+            whole.add_done_callback(functools.partial(self._whole_done, request.request_id))
         if ids:
             request.plugin_state[TOKENIZED_PROMPT] = TokenizedPrompt(
-                tuple(ids), request.cache_salt, backend.name, estimated_total)
+                tuple(ids), request.cache_salt, backend.name, estimated_total, whole)
+        elif whole is not None:
+            whole.cancel()
+
+    def _whole_done(self, request_id: str, whole: asyncio.Future[list[int]]) -> None:
+        if whole.cancelled():
+            return
+        e = whole.exception()
+        if e is not None:
+            self.failures += 1
+            log.warning("%s: request %s: whole tokenization failed (routed on its leading "
+                        "ids): %s", self.name, request_id, e)
 
     async def start_background(self) -> None:
         return None
@@ -206,5 +229,33 @@ class LegacyTokenizer(TokenProducer):
 
 
 def tokenized(request: LLMRequest) -> TokenizedPrompt | None:
+    """The request's tokens: the whole prompt's once its whole tokenization is done (see
+    ``TokenizedPrompt.whole``), its leading ids until then."""
     got = request.plugin_state.get(TOKENIZED_PROMPT)
-    return got if isinstance(got, TokenizedPrompt) else None
+    if not isinstance(got, TokenizedPrompt):
+        return None
+    whole = got.whole
+    if whole is None or not whole.done():
+        return got
+    if whole.cancelled() or whole.exception() is not None:
+        done = TokenizedPrompt(got.token_ids, got.cache_salt, got.source, got.estimated_total)
+    else:
+        done = TokenizedPrompt(tuple(whole.result()), got.cache_salt, got.source)
+    request.plugin_state[TOKENIZED_PROMPT] = done
+    return done
+
+
+async def whole_tokenization(request: LLMRequest) -> TokenizedPrompt | None:
+    """:func:`tokenized`, after waiting for the whole tokenization if it is under way
+    (within the PrepareData budget; its leading ids when it fails)."""
+    tp = tokenized(request)
+    if tp is not None and tp.whole is not None:
+        try:
+            await with_budget(asyncio.shield(tp.whole), PREPARE_DATA_TIMEOUT_S)
+        except TokenizeError as e:
+            log.warning("request %s: %s; routed on the prompt's leading ids",
+                        request.request_id, e)
+        except Exception as e:  # noqa: BLE001 -- token-producer logs the tokenizer's error
+            log.debug("request %s: whole tokenization failed: %s", request.request_id, e)
+        tp = tokenized(request)
+    return tp

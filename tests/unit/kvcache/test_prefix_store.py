@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Tokenizer, models, normalizers, trainers
 
 from epp import keys
 from epp.config.loader import load_and_build
@@ -20,25 +20,7 @@ from epp.kvcache.tokenization import LocalTokenizer
 from epp.scheduling.plugins.llmd_filters import context_length
 from epp.scheduling.plugins.token_producer import tokenized
 from epp.scheduling.types import ApiType, LLMRequest
-
-WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota",
-         "kappa", "lambda", "mu", "nu", "xi", "omicron", "pi", "rho", "sigma", "tau"]
-
-
-@pytest.fixture(scope="module")
-def bpe() -> Tokenizer:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    rng = random.Random(0)
-    corpus = [" ".join(rng.choice(WORDS) for _ in range(40)) for _ in range(200)]
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return tok
-
-
-def text(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(n))
+from tests.tokenizer_util import text
 
 
 def test_hits_are_prefixes_of_the_real_tokenization(bpe: Tokenizer) -> None:

@@ -190,6 +190,8 @@ def test_backend_selection_and_errors(local_tokenizer: Path) -> None:
         build({"local": {"path": "/nonexistent"}})
     with pytest.raises(ConfigError, match="set one backend"):
         build({"modelName": "m", "estimate": {}})
+    with pytest.raises(ConfigError, match="chat template does not compile"):  # at startup
+        build({"local": {"path": str(local_tokenizer), "chatTemplate": "{% for m in x %}"}})
 
 
 def test_legacy_type_name_loads_with_a_warning() -> None:

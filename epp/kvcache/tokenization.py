@@ -380,6 +380,8 @@ class LocalTokenizer:
         else:
             lead, covered = self._probe(text, add)
             whole = asyncio.ensure_future(self._checked(text, add, salt, lead))
+            if not lead:  # no token safely ends in the probe (one very long word)
+                return await whole, 0, None
         return lead, _estimate(lead, covered, len(text)), whole
 
     def _probe(self, text: str, add: bool) -> tuple[list[int], int]:

@@ -489,7 +489,7 @@ class PrecisePrefixCacheProducer:
         info = self.compute(request, endpoints)
         if tp.whole is not None and not self._settled(request, info):
             # some pod holds every leading block: how far it goes needs the rest
-            tp = await whole_tokenization(request)
+            await whole_tokenization(request)
             info = self.compute(request, endpoints)
         request.plugin_state[f"{_STATE}/{self.name}"] = (tuple(e.key for e in endpoints), info)
 

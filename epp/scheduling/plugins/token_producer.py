@@ -197,8 +197,6 @@ class TokenProducer:
         if ids:
             request.plugin_state[TOKENIZED_PROMPT] = TokenizedPrompt(
                 tuple(ids), request.cache_salt, backend.name, estimated_total, whole)
-        elif whole is not None:
-            whole.cancel()
 
     def _whole_done(self, request_id: str, whole: asyncio.Future[list[int]]) -> None:
         if whole.cancelled():

@@ -99,6 +99,16 @@ async def test_a_probe_that_differs_turns_probes_off(bpe: Tokenizer, tmp_path: P
     await local.close()
 
 
+async def test_a_probe_without_a_whole_token_waits_for_the_whole(
+        bpe: Tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    local = _local(bpe, tmp_path)
+    monkeypatch.setattr(local, "_probe", lambda t, add: ([], 768))
+    prompt = text(random.Random(5), 1500)
+    ids, est, whole = await local.tokenize_leading(None, prompt)
+    assert whole is None and est == 0 and ids == bpe.encode(prompt).ids
+    await local.close()
+
+
 CONFIG = """
 plugins:
 - type: token-producer

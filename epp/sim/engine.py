@@ -14,8 +14,11 @@ Scheduling (each step, vLLM v1 style, FCFS)
 - KV events (when a publisher is attached, :attr:`Engine.events`): the blocks a step
   evicts (``BlockRemoved``) and the full prompt blocks it caches (one ``BlockStored``
   per request, with their token ids and parent hash) go out as one batch at the end of
-  the step, as vLLM publishes one ``KVEventBatch`` per scheduler step;
-  :meth:`Engine.reset_prefix_cache` publishes at once.
+  the step, as vLLM publishes one ``KVEventBatch`` per scheduler step — on the loop's
+  next turn, once the step's tokens are written (vLLM's publisher sends from its own
+  thread, so its events never delay a token; a removal the next step's admission makes
+  meanwhile rides in the same batch); :meth:`Engine.reset_prefix_cache` publishes at
+  once.
 - Admission looks up the prompt's chained block hashes in the prefix cache; the longest
   cached prefix, at most ``(len - 1) // block_size`` blocks, is not computed again.
   ``cached_tokens = hit_blocks * block_size``.
@@ -410,7 +413,10 @@ class Engine:
             end = start + self._step_seconds(plan)
             await asyncio.sleep(max(0.0, end - loop.time()))
             self._complete(plan, loop.time())
-            self._publish_events()
+            if self.events is not None:
+                # After the step's tokens are written: vLLM's publisher hands a batch to
+                # its own thread, so publishing never delays the step's output there.
+                loop.call_soon(self._publish_events)
             self.stats.steps += 1
             step_end = end
 

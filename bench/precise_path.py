@@ -14,9 +14,6 @@ system prompt and a 200-word question, tokenized with the bench's word-level tok
   and waited for untimed, is ``tokenize-whole``);
 - ``tokenize-tail``: with the prefix store, a conversation's next turn (300 words more
   than a stored prompt): only the rest is encoded;
-- ``tokenize-turn-leading``: the same next turn as ``token-producer`` serves it beside
-  ``precise-prefix-cache-producer``: until the stored turns' ids are there (the rest,
-  left to the tokenizer's thread and waited for untimed, is what ``tokenize-tail`` costs);
 - ``store-add``: recording one whole tokenization in the store;
 - ``events``: decoding one vLLM batch of a ``BlockStored`` with the prompt's blocks and a
   ``BlockRemoved`` of as many, and applying both to a fresh index (what every cache miss
@@ -91,25 +88,10 @@ def run(n_words: int, rounds: int, reps: int) -> dict[str, Any]:
         for _ in range(reps):
             body = chat(f"{next(q)} {system}", questions[0])
             t0 = time.perf_counter_ns()
-            rest = wait(leader.tokenize_leading(body, "")).whole
+            _, _, rest = wait(leader.tokenize_leading(body, ""))
             spent += time.perf_counter_ns() - t0
             if rest is not None:
                 wait(rest)
-        return spent / reps / 1000
-
-    turner = LocalTokenizer(path, prefix_store=TokenPrefixStore(), min_prefix_overlap=1.0)
-    turner._tail_checks = 0
-
-    def turn_leading() -> float:  # µs until a new turn's ids are there (the stored ones)
-        spent = 0
-        for _ in range(reps):
-            turner.prefix_store = store = TokenPrefixStore()
-            store.add(text, ids, offsets)
-            t0 = time.perf_counter_ns()
-            got = wait(turner.tokenize_leading(grown, ""))
-            spent += time.perf_counter_ns() - t0
-            if got.whole is not None:
-                wait(got.whole)
         return spent / reps / 1000
 
     block = 16
@@ -142,16 +124,14 @@ def run(n_words: int, rounds: int, reps: int) -> dict[str, Any]:
         "events": events,
         "lookup": lookup,
     }
-    samples: dict[str, list[float]] = {k: [] for k in [*cases, "tokenize-leading",
-                                                       "tokenize-turn-leading"]}
+    samples: dict[str, list[float]] = {k: [] for k in [*cases, "tokenize-leading"]}
     for _ in range(rounds):
         for name, fn in cases.items():
             samples[name].append(_time(fn, reps))
         samples["tokenize-leading"].append(leading())
-        samples["tokenize-turn-leading"].append(turn_leading())
     med = {k: statistics.median(v) for k, v in samples.items()}
     med["tokenize-tail"] = max(0.0, med["tokenize-tail"] - med["store-add"])
-    for t in (whole, covered, tailer, leader, turner):
+    for t in (whole, covered, tailer, leader):
         loop.run_until_complete(t.close())
     loop.close()
     return {"words": n_words, "tokens": len(ids), "blocks": n_blocks, "rounds": rounds,
@@ -175,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{res['words']}-word system prompt + 200-word question = {res['tokens']} "
               f"tokens ({res['blocks']} blocks of 16), median of {res['rounds']} rounds")
         for k, v in res["median_us"].items():
-            print(f"  {k:21s} {v:8.1f} µs")
+            print(f"  {k:17s} {v:10.1f} µs")
     return 0
 
 

@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import aiohttp
 
@@ -39,7 +39,6 @@ from epp.kvcache.prefix_store import PrefixLookup, TokenPrefixStore
 __all__ = [
     "EstimateTokenizer",
     "HttpTokenizer",
-    "Leading",
     "LocalTokenizer",
     "TokenizeError",
     "TokenizedPrompt",
@@ -83,30 +82,11 @@ class TokenizedPrompt:
     #: When the ids are a leading part handed out early (:meth:`LocalTokenizer.
     #: tokenize_leading`): the whole prompt's ids, still being tokenized.
     whole: asyncio.Future[list[int]] | None = field(default=None, compare=False, repr=False)
-    #: With ``whole``: a prefix lookup on the leading ids is final. Only a short rest is
-    #: still being tokenized (under ``THREAD_MIN_CHARS`` characters after the prefix
-    #: store's hit — a conversation's new turn), and a pod can hold blocks past the
-    #: stored text only where it was sent that very text before (the conversation's last
-    #: answer): a few blocks at most, as with a prompt the store covers
-    #: (``minPrefixOverlapRatio``), whose rest is never tokenized at all.
-    settled: bool = False
 
     @property
     def token_count(self) -> int:
         """The prompt's token count (estimated when the ids are partial)."""
         return self.estimated_total or len(self.token_ids)
-
-
-class Leading(NamedTuple):
-    """What :meth:`LocalTokenizer.tokenize_leading` answers."""
-
-    ids: list[int]
-    #: The whole prompt's estimated token count when ``ids`` are only its leading part.
-    estimated_total: int
-    #: The whole prompt's ids, being tokenized (None: ``ids`` are all there is).
-    whole: asyncio.Future[list[int]] | None
-    #: ``TokenizedPrompt.settled``.
-    settled: bool = False
 
 
 def chat_request(body: Mapping[str, Any] | None) -> bool:
@@ -288,14 +268,13 @@ class LocalTokenizer:
         ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         return ids
 
-    async def _encode_off_loop(self, *texts: tuple[str, bool], thread: bool = False
-                               ) -> list[Any]:
-        """Encodings of ``texts``; long ones (any, with ``thread``) in the tokenizer's own
-        thread. ``encode_batch`` releases the GIL while it runs (``encode`` does not), so
-        the event loop goes on serving other requests and KV events meanwhile (same ids,
-        ~5% more CPU). Handing over costs ~0.2 ms, about what encoding 1,500 characters
-        does: shorter texts are encoded in place unless nobody waits for them."""
-        if not thread and sum(len(t) for t, _ in texts) < THREAD_MIN_CHARS:
+    async def _encode_off_loop(self, *texts: tuple[str, bool]) -> list[Any]:
+        """Encodings of ``texts``; long ones in the tokenizer's own thread. ``encode_batch``
+        releases the GIL while it runs (``encode`` does not), so the event loop goes on
+        serving other requests and KV events meanwhile (same ids, ~5% more CPU). Handing
+        over costs ~0.2 ms, about what encoding 1,500 characters does: shorter texts are
+        encoded in place."""
+        if sum(len(t) for t, _ in texts) < THREAD_MIN_CHARS:
             return [self._tok.encode(t, add_special_tokens=add) for t, add in texts]
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="epp-tokenize")
@@ -357,59 +336,53 @@ class LocalTokenizer:
             return hit.token_ids, _estimate(hit.token_ids, hit.covered, len(text))
         return await self._rest(text, add, salt, hit), 0
 
-    async def _rest(self, text: str, add: bool, salt: int, hit: PrefixLookup | None,
-                    thread: bool = False) -> list[int]:
+    async def _rest(self, text: str, add: bool, salt: int, hit: PrefixLookup | None
+                    ) -> list[int]:
         """The whole prompt's ids when the store (if any) did not cover enough of it."""
         store = self.prefix_store
         if hit is not None and hit.token_ids and self._tail_checks >= 0:
-            return await self._tail(text, add, salt, hit, thread)
-        (enc,) = await self._encode_off_loop((text, add), thread=thread)
+            return await self._tail(text, add, salt, hit)
+        (enc,) = await self._encode_off_loop((text, add))
         ids: list[int] = enc.ids
         if store is not None:
             store.add(text, ids, enc.offsets, salt)
         return ids
 
     async def tokenize_leading(self, body: Mapping[str, Any] | None, prompt: str
-                               ) -> Leading:
-        """As :meth:`tokenize_prefix` (or :meth:`tokenize` without a store) — ``whole``
-        None — except where that would encode text while the request waits:
-
-        - a long rest (from ``THREAD_MIN_CHARS`` characters on, the ~2–10 ms that
-          tokenizing a new long prompt takes): it answers at once with the prompt's
-          leading ids (the store's partial hit, else a probe: the first ``PROBE_CHARS``
-          characters encoded, less the tokens ending in the last ``PROBE_MARGIN_CHARS``,
-          where the rest of the text may cut a word otherwise) and starts the whole
-          tokenization in the tokenizer's thread, as ``whole``. A precise prefix lookup
-          that finds no pod holding all of those leading blocks has its answer without
-          the rest (block keys chain: no pod can match further). The probe is exact where
-          the prefix store is (its module docstring); each whole tokenization checks it,
-          and one difference turns probes off for good (logged).
-        - a short rest after a partial store hit (a conversation's new turn): the stored
-          ids at once, ``settled`` (a lookup on them is final), the rest tokenized in the
-          thread after the answer, for the store and the index."""
+                               ) -> tuple[list[int], int, asyncio.Future[list[int]] | None]:
+        """``(ids, estimated total, whole)``: as :meth:`tokenize_prefix` (or
+        :meth:`tokenize` without a store) — ``whole`` None — except where that would
+        encode a long text (from ``THREAD_MIN_CHARS`` characters on, the ~2–10 ms that
+        tokenizing a new long prompt takes): then it answers at once with the prompt's
+        leading ids (the store's partial hit, else a probe: the first ``PROBE_CHARS``
+        characters encoded, less the tokens ending in the last ``PROBE_MARGIN_CHARS``,
+        where the rest of the text may cut a word otherwise) and starts the whole
+        tokenization in the tokenizer's thread, as ``whole``. A precise prefix lookup that
+        finds no pod holding all of those leading blocks has its answer without the rest
+        (block keys chain: no pod can match further). The probe is exact where the prefix
+        store is (its module docstring); each whole tokenization checks it, and one
+        difference turns probes off for good (logged)."""
         text, add = self._text(body, prompt)
         if isinstance(text, list):
-            return Leading(text, 0, None)
+            return text, 0, None
         salt = int(add)
         store = self.prefix_store
         hit = store.lookup(text, salt) if store is not None else None
         if hit is not None and hit.covered and hit.coverage >= self.min_prefix_overlap:
-            return Leading(hit.token_ids, _estimate(hit.token_ids, hit.covered, len(text)),
-                           None)
+            return hit.token_ids, _estimate(hit.token_ids, hit.covered, len(text)), None
         start = hit.token_end if hit is not None and hit.token_ids else 0
+        if len(text) - start < THREAD_MIN_CHARS or (not start and not self._probe_ok):
+            return await self._rest(text, add, salt, hit), 0, None
         if start:
             assert hit is not None
-            short = len(text) - start < THREAD_MIN_CHARS
-            whole = asyncio.ensure_future(self._rest(text, add, salt, hit, thread=short))
-            return Leading(hit.token_ids, _estimate(hit.token_ids, hit.covered, len(text)),
-                           whole, short)
-        if len(text) < THREAD_MIN_CHARS or not self._probe_ok:
-            return Leading(await self._rest(text, add, salt, hit), 0, None)
-        lead, covered = self._probe(text, add)
-        whole = asyncio.ensure_future(self._checked(text, add, salt, lead))
-        if not lead:  # no token safely ends in the probe (one very long word)
-            return Leading(await whole, 0, None)
-        return Leading(lead, _estimate(lead, covered, len(text)), whole)
+            lead, covered = hit.token_ids, hit.covered
+            whole = asyncio.ensure_future(self._rest(text, add, salt, hit))
+        else:
+            lead, covered = self._probe(text, add)
+            whole = asyncio.ensure_future(self._checked(text, add, salt, lead))
+            if not lead:  # no token safely ends in the probe (one very long word)
+                return await whole, 0, None
+        return lead, _estimate(lead, covered, len(text)), whole
 
     def _probe(self, text: str, add: bool) -> tuple[list[int], int]:
         cut = PROBE_CHARS - PROBE_MARGIN_CHARS
@@ -431,8 +404,7 @@ class LocalTokenizer:
                         "(new long prompts wait for their whole tokenization)", PROBE_CHARS)
         return ids
 
-    async def _tail(self, text: str, add: bool, salt: int, hit: PrefixLookup,
-                    thread: bool = False) -> list[int]:
+    async def _tail(self, text: str, add: bool, salt: int, hit: PrefixLookup) -> list[int]:
         """The whole prompt's ids as the stored prefix's plus the rest's, tokenized on its
         own from where the prefix's last token ends — the same ids as tokenizing it all
         for tokenizers that cut there the same way either side (byte-level BPEs,
@@ -444,7 +416,7 @@ class LocalTokenizer:
         start = hit.token_end
         check = self._tail_checks > 0
         encs = await self._encode_off_loop((text[start:], False),
-                                           *([(text, add)] if check else []), thread=thread)
+                                           *([(text, add)] if check else []))
         enc = encs[0]
         ids: list[int] = hit.token_ids + enc.ids
         if check:
@@ -460,7 +432,7 @@ class LocalTokenizer:
             if self._tail_checks > 0:
                 self._tail_checks -= 1
         elif self._tail_checks < 0:  # another prompt's check turned tails off meanwhile
-            (whole,) = await self._encode_off_loop((text, add), thread=thread)
+            (whole,) = await self._encode_off_loop((text, add))
             self.prefix_store.add(text, whole.ids, whole.offsets, salt)
             exact: list[int] = whole.ids
             return exact

@@ -487,7 +487,7 @@ class PrecisePrefixCacheProducer:
         if tp is None:
             return
         info = self.compute(request, endpoints)
-        if tp.whole is not None and not tp.settled and not self._settled(request, info):
+        if tp.whole is not None and not self._settled(request, info):
             # some pod holds every leading block: how far it goes needs the rest
             await whole_tokenization(request)
             info = self.compute(request, endpoints)

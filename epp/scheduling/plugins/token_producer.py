@@ -178,10 +178,9 @@ class TokenProducer:
         backend = self.backend
         estimated_total = 0
         whole: asyncio.Future[list[int]] | None = None
-        settled = False
         try:
             if isinstance(backend, LocalTokenizer) and self.early:
-                ids, estimated_total, whole, settled = await with_budget(
+                ids, estimated_total, whole = await with_budget(
                     backend.tokenize_leading(body, request.prompt), PREPARE_DATA_TIMEOUT_S)
             elif isinstance(backend, LocalTokenizer) and backend.prefix_store is not None:
                 ids, estimated_total = await with_budget(
@@ -197,7 +196,7 @@ class TokenProducer:
             whole.add_done_callback(functools.partial(self._whole_done, request.request_id))
         if ids:
             request.plugin_state[TOKENIZED_PROMPT] = TokenizedPrompt(
-                tuple(ids), request.cache_salt, backend.name, estimated_total, whole, settled)
+                tuple(ids), request.cache_salt, backend.name, estimated_total, whole)
 
     def _whole_done(self, request_id: str, whole: asyncio.Future[list[int]]) -> None:
         if whole.cancelled():

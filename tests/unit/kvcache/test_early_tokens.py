@@ -46,17 +46,17 @@ async def test_a_long_new_prompt_gets_its_leading_ids_at_once(bpe: Tokenizer,
     prompt = text(rng, 1500)  # ~10,000 characters
     assert len(prompt) >= tokenization.THREAD_MIN_CHARS
     real = bpe.encode(prompt).ids
-    lead, est, whole, settled = await local.tokenize_leading(None, prompt)
-    assert whole is not None and 0 < len(lead) < len(real) and not settled
+    lead, est, whole = await local.tokenize_leading(None, prompt)
+    assert whole is not None and 0 < len(lead) < len(real)
     assert lead == real[:len(lead)]  # the probe is the whole tokenization's beginning
     assert abs(est - len(real)) <= 0.15 * len(real)
     assert await whole == real
     # stored: the same prompt again is covered by the store, nothing left to wait for
-    again, est2, whole2, _ = await local.tokenize_leading(None, prompt)
+    again, est2, whole2 = await local.tokenize_leading(None, prompt)
     assert whole2 is None and again == real[:len(again)] and est2 > 0
     # a short prompt is tokenized in place, whole
     short = text(rng, 50)
-    ids, est3, whole3, _ = await local.tokenize_leading(None, short)
+    ids, est3, whole3 = await local.tokenize_leading(None, short)
     assert whole3 is None and est3 == 0 and ids == bpe.encode(short).ids
     await local.close()
 
@@ -68,32 +68,11 @@ async def test_a_partial_store_hit_with_a_long_rest_hands_out_the_stored_ids(
     head = text(rng, 1500)
     await local.tokenize_prefix(None, head)  # stored
     prompt = head + " " + text(rng, 1500)  # the store covers about half
-    lead, est, whole, settled = await local.tokenize_leading(None, prompt)
+    lead, est, whole = await local.tokenize_leading(None, prompt)
     real = bpe.encode(prompt).ids
     assert whole is not None and lead == real[:len(lead)] and len(lead) > len(real) // 3
-    assert not settled  # a pod holding every stored block may hold much of the rest
     assert abs(est - len(real)) <= 0.15 * len(real)
     assert await whole == real
-    await local.close()
-
-
-async def test_a_new_turn_gets_the_stored_ids_and_its_rest_after(bpe: Tokenizer,
-                                                                 tmp_path: Path) -> None:
-    local = _local(bpe, tmp_path)
-    rng = random.Random(6)
-    history = text(rng, 400)
-    await local.tokenize_prefix(None, history)  # the earlier turns: stored
-    turn = history + " " + text(rng, 250)  # a new turn: under 80 % covered, a short rest
-    assert len(turn) - len(history) < tokenization.THREAD_MIN_CHARS
-    real = bpe.encode(turn).ids
-    lead, est, whole, settled = await local.tokenize_leading(None, turn)
-    assert whole is not None and settled and not whole.done()  # nothing encoded yet
-    assert 0 < len(lead) < len(real) and lead == real[:len(lead)]
-    assert abs(est - len(real)) <= 0.15 * len(real)
-    assert await whole == real
-    # the rest went into the store: the same turn again is covered
-    again, _, whole2, _ = await local.tokenize_leading(None, turn)
-    assert whole2 is None and len(again) > len(lead)
     await local.close()
 
 
@@ -111,11 +90,11 @@ async def test_a_probe_that_differs_turns_probes_off(bpe: Tokenizer, tmp_path: P
 
     monkeypatch.setattr(local, "_probe", wrong)
     prompt = text(rng, 1500)
-    _, _, whole, _ = await local.tokenize_leading(None, prompt)
+    _, _, whole = await local.tokenize_leading(None, prompt)
     assert whole is not None and await whole == bpe.encode(prompt).ids
     assert "probes are off" in caplog.text
     other = text(rng, 1500)
-    ids, est, whole2, _ = await local.tokenize_leading(None, other)
+    ids, est, whole2 = await local.tokenize_leading(None, other)
     assert whole2 is None and est == 0 and ids == bpe.encode(other).ids
     await local.close()
 
@@ -125,7 +104,7 @@ async def test_a_probe_without_a_whole_token_waits_for_the_whole(
     local = _local(bpe, tmp_path)
     monkeypatch.setattr(local, "_probe", lambda t, add: ([], 768))
     prompt = text(random.Random(5), 1500)
-    ids, est, whole, _ = await local.tokenize_leading(None, prompt)
+    ids, est, whole = await local.tokenize_leading(None, prompt)
     assert whole is None and est == 0 and ids == bpe.encode(prompt).ids
     await local.close()
 
@@ -165,9 +144,9 @@ async def test_precise_routes_on_leading_blocks_only_when_no_pod_holds_them(
     gate = asyncio.Event()  # holds every whole tokenization until set
     real_rest = backend._rest
 
-    async def gated(*args: Any, **kwargs: Any) -> list[int]:
+    async def gated(*args: Any) -> list[int]:
         await gate.wait()
-        ids: list[int] = await real_rest(*args, **kwargs)
+        ids: list[int] = await real_rest(*args)
         return ids
 
     monkeypatch.setattr(backend, "_rest", gated)
@@ -222,26 +201,6 @@ async def test_precise_routes_on_leading_blocks_only_when_no_pod_holds_them(
     info = prod.match_info({}, warm, eps)  # type: ignore[arg-type]
     # all of the shorter prompt's blocks but the last (cut differently in the longer one)
     assert info.cached_blocks[eps[1].key] >= len(whole_keys) - 1
-
-    # a new turn: the store holds the earlier text and b every block of it; only a short
-    # rest is left, so the stored ids route the request without waiting for the rest
-    prod.pre_request(warm, SchedulingResult({"default": ProfileRunResult((eps[1],))},
-                                            "default"))
-    for _ in range(3):
-        await asyncio.sleep(0)
-    turn = _request("turn", prompt + " " + text(rng, 450))  # the store: ~77 % of it
-    assert len(turn.prompt) - len(prompt) < tokenization.THREAD_MIN_CHARS
-    gate.clear()
-    await tp_plugin.prepare_request_data(turn, eps)
-    got = tokenized(turn)
-    assert got is not None and got.settled and got.whole is not None
-    await asyncio.wait_for(prod.prepare_request_data(turn, eps), 1.0)  # did not wait
-    assert not got.whole.done()
-    info = prod.match_info({}, turn, eps)  # type: ignore[arg-type]
-    assert info.cached_blocks[eps[1].key] == len(prod.block_keys(turn))  # all stored ones
-    gate.set()
-    done = await whole_tokenization(turn)
-    assert done is not None and list(done.token_ids) == bpe.encode(turn.prompt).ids
     await tp_plugin.stop_background()
 
 

@@ -244,11 +244,10 @@ def test_a_tail_in_flight_when_tails_turn_off_gets_the_whole_ids(
     real = local._encode_off_loop
     encoded: list[str] = []
 
-    async def turned_off_meanwhile(*texts: tuple[str, bool], thread: bool = False
-                                   ) -> list[Any]:
+    async def turned_off_meanwhile(*texts: tuple[str, bool]) -> list[Any]:
         local._tail_checks = -1  # as if a concurrent prompt's check had failed
         encoded.extend(t for t, _ in texts)
-        return await real(*texts, thread=thread)
+        return await real(*texts)
 
     monkeypatch.setattr(local, "_encode_off_loop", turned_off_meanwhile)
     grown = prompt + " " + text(rng, 60)

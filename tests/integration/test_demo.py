@@ -63,11 +63,19 @@ def test_demo_runs_and_summarises() -> None:
         assert not port_open(port), port
 
 
+def _sigint_as_in_a_terminal() -> None:
+    """Ctrl-C in a terminal: SIGINT at its default action. A test run started as a
+    background job of a non-interactive shell has SIGINT ignored, and an ignored signal is
+    inherited: Python then installs no KeyboardInterrupt handler, as for any program."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 async def test_demo_keep_running_stops_everything_on_ctrl_c() -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "epp.cli", "demo", "--duration", "1", "--servers", "2",
         "--concurrency", "2", "--no-compare", "--keep-running", "--response-path", "observer",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=ROOT)
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=ROOT,
+        preexec_fn=_sigint_as_in_a_terminal)
     assert proc.stdout is not None
     seen = []
     try:

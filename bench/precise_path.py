@@ -15,6 +15,10 @@ system prompt and a 200-word question, tokenized with the bench's word-level tok
 - ``tokenize-tail``: with the prefix store, a conversation's next turn (300 words more
   than a stored prompt): only the rest is encoded;
 - ``store-add``: recording one whole tokenization in the store;
+- ``chat-template``: rendering the chat template alone (the system prompt, the question
+  and the conversation's next turn: three messages);
+- ``store-lookup``: the prefix store's lookup alone for a prompt it covers (the block
+  keys of the text and the stored ids gathered);
 - ``events``: decoding one vLLM batch of a ``BlockStored`` with the prompt's blocks and a
   ``BlockRemoved`` of as many, and applying both to a fresh index (what every cache miss
   costs the EPP when the pods publish their KV events);
@@ -115,12 +119,16 @@ def run(n_words: int, rounds: int, reps: int) -> dict[str, Any]:
     def lookup() -> None:
         full.longest_prefix(full.request_keys(ids, "m"), pods)
 
+    looked_up = covered.render_chat(chat(system, questions[-1]))
+
     cases: dict[str, Callable[[], Any]] = {
         "tokenize-whole": lambda: wait(whole.tokenize_prefix(base, "")),
         "tokenize-covered": lambda: wait(covered.tokenize_prefix(
             chat(system, questions[next(q) % reps]), "")),
         "tokenize-tail": tail,
         "store-add": lambda: TokenPrefixStore().add(text, ids, offsets),
+        "chat-template": lambda: whole.render_chat(grown),
+        "store-lookup": lambda: covered.prefix_store.lookup(looked_up),  # type: ignore[union-attr]  # made with a store
         "events": events,
         "lookup": lookup,
     }

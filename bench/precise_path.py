@@ -120,6 +120,8 @@ def run(n_words: int, rounds: int, reps: int) -> dict[str, Any]:
         full.longest_prefix(full.request_keys(ids, "m"), pods)
 
     looked_up = covered.render_chat(chat(system, questions[-1]))
+    store = covered.prefix_store
+    assert store is not None
 
     cases: dict[str, Callable[[], Any]] = {
         "tokenize-whole": lambda: wait(whole.tokenize_prefix(base, "")),
@@ -128,7 +130,7 @@ def run(n_words: int, rounds: int, reps: int) -> dict[str, Any]:
         "tokenize-tail": tail,
         "store-add": lambda: TokenPrefixStore().add(text, ids, offsets),
         "chat-template": lambda: whole.render_chat(grown),
-        "store-lookup": lambda: covered.prefix_store.lookup(looked_up),  # type: ignore[union-attr]  # made with a store
+        "store-lookup": lambda: store.lookup(looked_up),
         "events": events,
         "lookup": lookup,
     }

@@ -15,6 +15,13 @@ is above ``balanceRelThreshold`` × that minimum; a hot endpoint's prefix score 
 the load scorers decide. ``balanceAbsThreshold: 0`` turns the guard off. (The same idea
 as sglang-router's cache-aware balance thresholds, applied per endpoint.)
 
+Hot-prefix replication (``replicateHotPrefixes``, off by default). The producer keeps
+each prefix group's share of its recent requests (:class:`PrefixPopularity`); a group
+with share *s* calls for ⌈*s* × candidates⌉ holders, and while fewer candidates hold its
+longest cached prefix those holders' prefix score is 0, so the load scorers may send the
+request to a pod that does not hold it yet. A prompt most traffic shares ends up on every
+pod instead of the few that cached it first; conversations and rare groups keep theirs.
+
 A config may declare the producer explicitly (its parameters tune the index) or only the
 scorer: the scorer then creates its own producer from the same parameters (GIE's loader
 hands the scorer's parameters to the producer it creates; ``hashBlockSize`` is an older
@@ -28,6 +35,7 @@ this EPP rejects anyway.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -45,6 +53,50 @@ CHARS_PER_TOKEN = 4
 _STATE_KEY = "prefix-cache"
 
 
+class PrefixPopularity:
+    """Each prefix group's share of the recent requests (``replicateHotPrefixes``),
+    weighted exponentially over the last ~``window`` requests counted (by request, not by
+    time: the same sequence of requests always gives the same shares). A request's group
+    is the block where its longest cached prefix ends (requests sharing a system prompt
+    but not their questions share it); requests with no cached prefix count toward the
+    total only."""
+
+    WINDOW = 256
+    MAX_GROUPS = 4096
+
+    def __init__(self, window: int = WINDOW) -> None:
+        self.keep = 1.0 - 1.0 / window
+        self.counted = 0
+        self._groups: dict[int, tuple[float, int]] = {}  # group -> (weight, at count)
+
+    def _weight(self, entry: tuple[float, int]) -> float:
+        weight, at = entry
+        return weight * self.keep ** (self.counted - at)
+
+    def count(self, group: int | None) -> None:
+        self.counted += 1
+        if group is None:
+            return
+        g = self._groups
+        old = g.get(group)
+        g[group] = ((self._weight(old) if old else 0.0) + 1.0, self.counted)
+        if len(g) > self.MAX_GROUPS:  # forget the groups that went quiet
+            for k in [k for k, e in g.items() if self._weight(e) < 0.5]:
+                del g[k]
+            while len(g) > self.MAX_GROUPS:
+                del g[next(iter(g))]
+
+    def replicas(self, group: int, endpoints: int) -> int:
+        """Holders the group calls for: its share of the recent requests × the
+        candidates, rounded up (1 for a group seen seldom)."""
+        entry = self._groups.get(group)
+        if entry is None or not self.counted:
+            return 1
+        total = (1.0 - self.keep ** self.counted) / (1.0 - self.keep)
+        share = min(1.0, self._weight(entry) / total)
+        return max(1, math.ceil(share * endpoints - 1e-9))
+
+
 @dataclass(frozen=True)
 class PrefixIndexParameters:
     """The producer's parameters (also accepted by ``prefix-cache-scorer``)."""
@@ -57,6 +109,7 @@ class PrefixIndexParameters:
     auto_tune: bool = param("autoTune", True)
     balance_abs_threshold: int = param("balanceAbsThreshold", 4, minimum=0)
     balance_rel_threshold: float = param("balanceRelThreshold", 1.5, minimum=1.0)
+    replicate_hot_prefixes: bool = param("replicateHotPrefixes", False)
     block_size: int | None = param("blockSize", None)  # GIE's deprecated character size
 
     @property
@@ -80,6 +133,7 @@ class PrefixScorerParameters:
     auto_tune: bool | None = param("autoTune", None)
     balance_abs_threshold: int | None = param("balanceAbsThreshold", None, minimum=0)
     balance_rel_threshold: float | None = param("balanceRelThreshold", None, minimum=1.0)
+    replicate_hot_prefixes: bool | None = param("replicateHotPrefixes", None)
     block_size: int | None = param("blockSize", None)
     # llm-d: the plugin whose PrefixCacheMatchInfo to read (e.g. a
     # precise-prefix-cache-producer); unset: the approx producer, as before.
@@ -98,7 +152,8 @@ def _producer_kwargs(p: PrefixIndexParameters) -> dict[str, Any]:
             "lru_capacity_per_server": p.lru_capacity_per_server,
             "auto_tune": p.auto_tune, "block_chars": p.hash_block_size,
             "balance_abs_threshold": p.balance_abs_threshold,
-            "balance_rel_threshold": p.balance_rel_threshold}
+            "balance_rel_threshold": p.balance_rel_threshold,
+            "replicate_hot_prefixes": p.replicate_hot_prefixes}
 
 
 def _warn_block_size(block_size: int | None, name: str) -> None:
@@ -115,7 +170,8 @@ class ApproxPrefixCacheProducer:
     def __init__(self, name: str, block_size_tokens: int = 16, max_blocks: int = 256,
                  lru_capacity_per_server: int = 31_250, auto_tune: bool = True,
                  block_chars: int | None = None, balance_abs_threshold: int = 4,
-                 balance_rel_threshold: float = 1.5) -> None:
+                 balance_rel_threshold: float = 1.5,
+                 replicate_hot_prefixes: bool = False) -> None:
         self.name = name
         self.block_size_tokens = block_size_tokens
         self.block_chars = block_chars or block_size_tokens * CHARS_PER_TOKEN
@@ -126,6 +182,7 @@ class ApproxPrefixCacheProducer:
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self.inflight: dict[str, int] = {}
+        self.popularity = PrefixPopularity() if replicate_hot_prefixes else None
 
     @classmethod
     def from_params(cls, name: str, params: PrefixIndexParameters,
@@ -184,9 +241,30 @@ class ApproxPrefixCacheProducer:
         limit = max(low + self.balance_abs_threshold, low * self.balance_rel_threshold)
         return {e.key for e, load in zip(endpoints, loads) if load > limit}
 
+    def under_replicated(self, request: LLMRequest, endpoints: Sequence[Endpoint],
+                         matched: dict[str, int]) -> set[str]:
+        """``replicateHotPrefixes``: the candidates holding the request's longest cached
+        prefix when that prefix is *hot* — its recent share of this EPP's requests calls
+        for more holders than it has (see module doc); their prefix score is then 0, so
+        the load scorers may place the request on a pod that does not hold it yet. Empty
+        otherwise."""
+        pop = self.popularity
+        if pop is None or len(endpoints) < 2 or not matched:
+            return set()
+        best = max(matched.values())
+        if best <= 0:
+            return set()
+        group = self.hashes(request)[best - 1]
+        request.plugin_state[f"{self.name}/group"] = group
+        holders = {k for k, m in matched.items() if m == best}
+        want = pop.replicas(group, len(endpoints))
+        return holders if len(holders) < want else set()
+
     def pre_request(self, request: LLMRequest, result: SchedulingResult) -> None:
         key = result.primary.endpoints[0].key
         self.inflight[key] = self.inflight.get(key, 0) + 1
+        if self.popularity is not None:
+            self.popularity.count(request.plugin_state.get(f"{self.name}/group"))
         hashes = self.hashes(request)
         if hashes:
             # For the exported hit ratio: how much of the prompt the chosen endpoint held.
@@ -262,4 +340,7 @@ class PrefixCacheScorer:
         if not total:
             return [0.0] * len(endpoints)
         hot = self.producer.hot(endpoints)
+        spread = getattr(self.producer, "under_replicated", None)
+        if spread is not None:
+            hot = hot | spread(request, endpoints, matched)
         return [0.0 if e.key in hot else matched.get(e.key, 0) / total for e in endpoints]

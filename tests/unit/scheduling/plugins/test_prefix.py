@@ -6,7 +6,11 @@ from __future__ import annotations
 import pytest
 
 from epp.config.loader import build, load_and_build, parse_config
-from epp.scheduling.plugins.prefix import ApproxPrefixCacheProducer, PrefixCacheScorer
+from epp.scheduling.plugins.prefix import (
+    ApproxPrefixCacheProducer,
+    PrefixCacheScorer,
+    PrefixPopularity,
+)
 from epp.scheduling.types import (
     ApiType,
     CycleState,
@@ -178,3 +182,83 @@ def test_balance_guard_uses_inflight_and_scraped_load() -> None:
     assert prod.inflight[e[1].key] == 1
     prod.response_complete(r, e[1].key, aborted=True)
     assert e[1].key not in prod.inflight       # aborts release too
+
+
+def test_popularity_share_fades_and_sets_replicas() -> None:
+    pop = PrefixPopularity(window=10)
+    for _ in range(9):
+        pop.count(1)
+    pop.count(None)  # a request with no cached prefix: the total only
+    assert pop.replicas(1, 4) == 4       # ~90 % of the requests: ceil(0.9 * 4)
+    assert pop.replicas(2, 4) == 1       # never seen
+    for _ in range(30):
+        pop.count(2)
+    # group 1 went quiet: its weight fades (9 × 0.9^30 ≈ 0.4 of ~10), group 2 took over
+    assert pop.replicas(1, 4) == 1
+    assert pop.replicas(2, 4) == 4
+    steady = PrefixPopularity(window=1000)
+    for _ in range(200):  # 40 % and 60 % of the requests: 1.6 and 2.4 holders' worth
+        for g in (1, 3, 1, 3, 3):
+            steady.count(g)
+    assert (steady.replicas(1, 4), steady.replicas(3, 4)) == (2, 3)
+
+
+def test_popularity_forgets_quiet_groups_beyond_its_bound() -> None:
+    pop = PrefixPopularity(window=2)
+    for g in range(PrefixPopularity.MAX_GROUPS + 10):
+        pop.count(g)
+    assert len(pop._groups) <= PrefixPopularity.MAX_GROUPS
+    assert pop.replicas(PrefixPopularity.MAX_GROUPS + 9, 4) == 2  # weight 1 of ~2
+
+
+def test_replicate_hot_prefixes_spreads_a_hot_prompt_and_keeps_a_cold_one() -> None:
+    prod = ApproxPrefixCacheProducer("prod", block_size_tokens=4, balance_abs_threshold=0,
+                                     replicate_hot_prefixes=True)
+    scorer = PrefixCacheScorer("s")
+    scorer.producer = prod
+    e = eps(4)
+    placed = dict.fromkeys(e, 0)
+
+    def route(prompt: str) -> list[float]:
+        # the best prefix score wins; among equals the pod with the fewest requests (the
+        # load scorers' part)
+        r = req(prompt)
+        scores = scorer.score(CycleState(), r, e)
+        pick = max(e, key=lambda x: (scores[e.index(x)], -placed[x]))
+        placed[pick] += 1
+        went_to(prod, r, pick)
+        return scores
+
+    hot = "You are helpful." * 8  # 8 blocks, shared by every request
+    seen = [route(hot + f"question {i}") for i in range(12)]
+    # The hot prompt calls for all 4 pods: while it had fewer holders, theirs scored 0
+    # and the request went to a pod without it; now all 4 hold it and affinity is back.
+    assert any(s.count(0.0) == 4 for s in seen[1:])
+    assert all(placed[x] > 0 for x in e)
+    assert route(hot + "one more") == [1.0] * 4
+    # a conversation among many hot requests is not hot: its next turn keeps its pod
+    convo = "Another prompt!!" * 8
+    route(convo + "turn 1")
+    holder = max(e, key=lambda x: prod.index.match(prod.hashes(req(convo)), (x.key,)).get(
+        x.key, 0))
+    scores = route(convo + "turn 2 ...")
+    assert scores[e.index(holder)] == 1.0
+    assert sorted(scores) == [0.0, 0.0, 0.0, 1.0]
+
+
+def test_replicate_hot_prefixes_is_off_by_default_and_parsed() -> None:
+    assert ApproxPrefixCacheProducer("prod").popularity is None
+    cfg = parse_config(
+        "apiVersion: inference.networking.x-k8s.io/v1alpha1\n"
+        "kind: EndpointPickerConfig\n"
+        "plugins:\n"
+        "- type: approx-prefix-cache-producer\n"
+        "  parameters: {replicateHotPrefixes: true}\n"
+        "- type: prefix-cache-scorer\n"
+        "- type: max-score-picker\n"
+        "schedulingProfiles:\n"
+        "- name: default\n"
+        "  plugins: [{pluginRef: prefix-cache-scorer}, {pluginRef: max-score-picker}]\n")
+    built = build(cfg)
+    prod = next(p for p in built.plugins.values() if isinstance(p, ApproxPrefixCacheProducer))
+    assert prod.popularity is not None

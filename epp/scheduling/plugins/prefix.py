@@ -183,6 +183,7 @@ class ApproxPrefixCacheProducer:
         self.balance_rel_threshold = balance_rel_threshold
         self.inflight: dict[str, int] = {}
         self.popularity = PrefixPopularity() if replicate_hot_prefixes else None
+        self._group_key = f"{name}/group"  # plugin_state: the request's prefix group
 
     @classmethod
     def from_params(cls, name: str, params: PrefixIndexParameters,
@@ -255,7 +256,7 @@ class ApproxPrefixCacheProducer:
         if best <= 0:
             return set()
         group = self.hashes(request)[best - 1]
-        request.plugin_state[f"{self.name}/group"] = group
+        request.plugin_state[self._group_key] = group
         holders = {k for k, m in matched.items() if m == best}
         want = pop.replicas(group, len(endpoints))
         return holders if len(holders) < want else set()
@@ -264,7 +265,7 @@ class ApproxPrefixCacheProducer:
         key = result.primary.endpoints[0].key
         self.inflight[key] = self.inflight.get(key, 0) + 1
         if self.popularity is not None:
-            self.popularity.count(request.plugin_state.get(f"{self.name}/group"))
+            self.popularity.count(request.plugin_state.get(self._group_key))
         hashes = self.hashes(request)
         if hashes:
             # For the exported hit ratio: how much of the prompt the chosen endpoint held.
@@ -340,7 +341,7 @@ class PrefixCacheScorer:
         if not total:
             return [0.0] * len(endpoints)
         hot = self.producer.hot(endpoints)
-        spread = getattr(self.producer, "under_replicated", None)
-        if spread is not None:
-            hot = hot | spread(request, endpoints, matched)
+        spread = getattr(self.producer, "under_replicated", None)  # approximate only
+        if spread is not None and (holders := spread(request, endpoints, matched)):
+            hot = hot | holders
         return [0.0 if e.key in hot else matched.get(e.key, 0) / total for e in endpoints]

@@ -14,6 +14,7 @@ intended change of behaviour::
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ from epp.datastore.store import Datastore
 from epp.errors import EppError
 from epp.observability.metrics import EppMetrics
 from epp.requestcontrol.director import Director, SchedulingCore
+from epp.scheduling.plugins.prefix import ApproxPrefixCacheProducer
 from epp.scheduling.types import Endpoint, Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -91,6 +93,8 @@ async def replay(config: str) -> list[dict[str, Any]]:
         if hasattr(plugin, "_rng"):
             plugin._rng = random.Random(seeded)
             seeded += 1
+        if isinstance(plugin, ApproxPrefixCacheProducer):  # avoidQueueing's durations
+            plugin._clock = itertools.count(0.0, 0.01).__next__
     store = Datastore()
     store.set_endpoints(_endpoints())
     for plugin in built.endpoint_removed:

@@ -22,6 +22,20 @@ longest cached prefix those holders' prefix score is 0, so the load scorers may 
 request to a pod that does not hold it yet. A prompt most traffic shares ends up on every
 pod instead of the few that cached it first; conversations and rare groups keep theirs.
 
+Avoiding queues (``avoidQueueing``, off by default). A pod whose KV cache has no room
+for a request makes it wait until a running request finishes (or preempts one); sending
+it there to reuse a prefix trades a short prefill for a wait as long as a response. Per
+candidate, the request needs room for its ``max_tokens`` and its prompt less the blocks
+it shares with a request this EPP has in flight there; the pod's room is its free KV cache
+at its last scrape (``num_blocks × (1 − kv usage) × block size`` tokens, from
+``cache_config_info``) less what this EPP routed there since. Without room, its predicted
+wait is (requests waiting + routed since the scrape + 1) × its mean time per request
+(routing to response end, measured by this EPP) ÷ (the requests it runs + 1). A
+candidate whose wait plus prefill (``prefillMsPerToken`` × the prompt tokens its cache
+lacks, by the index) exceeds another candidate's scores 0 for prefix, so the load scorers
+place the request. Pods without ``cache_config_info``, or before their first response
+ends, never wait.
+
 A config may declare the producer explicitly (its parameters tune the index) or only the
 scorer: the scorer then creates its own producer from the same parameters (GIE's loader
 hands the scorer's parameters to the producer it creates; ``hashBlockSize`` is an older
@@ -36,6 +50,7 @@ this EPP rejects anyway.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -51,6 +66,7 @@ from epp.scheduling.types import CycleState, Endpoint, LLMRequest, SchedulingRes
 
 CHARS_PER_TOKEN = 4
 _STATE_KEY = "prefix-cache"
+_DURATION_ALPHA = 0.1  # EMA weight of a response's duration (avoidQueueing)
 
 
 class PrefixPopularity:
@@ -110,6 +126,8 @@ class PrefixIndexParameters:
     balance_abs_threshold: int = param("balanceAbsThreshold", 4, minimum=0)
     balance_rel_threshold: float = param("balanceRelThreshold", 1.5, minimum=1.0)
     replicate_hot_prefixes: bool = param("replicateHotPrefixes", False)
+    avoid_queueing: bool = param("avoidQueueing", False)
+    prefill_ms_per_token: float = param("prefillMsPerToken", 0.05, minimum=0.0)
     block_size: int | None = param("blockSize", None)  # GIE's deprecated character size
 
     @property
@@ -134,6 +152,8 @@ class PrefixScorerParameters:
     balance_abs_threshold: int | None = param("balanceAbsThreshold", None, minimum=0)
     balance_rel_threshold: float | None = param("balanceRelThreshold", None, minimum=1.0)
     replicate_hot_prefixes: bool | None = param("replicateHotPrefixes", None)
+    avoid_queueing: bool | None = param("avoidQueueing", None)
+    prefill_ms_per_token: float | None = param("prefillMsPerToken", None, minimum=0.0)
     block_size: int | None = param("blockSize", None)
     # llm-d: the plugin whose PrefixCacheMatchInfo to read (e.g. a
     # precise-prefix-cache-producer); unset: the approx producer, as before.
@@ -153,7 +173,9 @@ def _producer_kwargs(p: PrefixIndexParameters) -> dict[str, Any]:
             "auto_tune": p.auto_tune, "block_chars": p.hash_block_size,
             "balance_abs_threshold": p.balance_abs_threshold,
             "balance_rel_threshold": p.balance_rel_threshold,
-            "replicate_hot_prefixes": p.replicate_hot_prefixes}
+            "replicate_hot_prefixes": p.replicate_hot_prefixes,
+            "avoid_queueing": p.avoid_queueing,
+            "prefill_ms_per_token": p.prefill_ms_per_token}
 
 
 def _warn_block_size(block_size: int | None, name: str) -> None:
@@ -171,7 +193,8 @@ class ApproxPrefixCacheProducer:
                  lru_capacity_per_server: int = 31_250, auto_tune: bool = True,
                  block_chars: int | None = None, balance_abs_threshold: int = 4,
                  balance_rel_threshold: float = 1.5,
-                 replicate_hot_prefixes: bool = False) -> None:
+                 replicate_hot_prefixes: bool = False, avoid_queueing: bool = False,
+                 prefill_ms_per_token: float = 0.05) -> None:
         self.name = name
         self.block_size_tokens = block_size_tokens
         self.block_chars = block_chars or block_size_tokens * CHARS_PER_TOKEN
@@ -183,6 +206,20 @@ class ApproxPrefixCacheProducer:
         self.balance_rel_threshold = balance_rel_threshold
         self.inflight: dict[str, int] = {}
         self.popularity = PrefixPopularity() if replicate_hot_prefixes else None
+        self.avoid_queueing = avoid_queueing
+        # avoidQueueing: per endpoint, the running requests it was last seen holding while
+        # requests waited (its demonstrated concurrency), and the scrape that was read last
+        # per endpoint, what this EPP routed there since its last scrape: (that scrape's
+        # updated_at, tokens needed — prompt not cached there, and output —, requests)
+        self._pending: dict[str, tuple[float | None, float, int]] = {}
+        self._duration: dict[str, float] = {}  # ms, mean from routing to response end
+        # per endpoint: the block hashes of each request this EPP has in flight there
+        self._flight: dict[str, dict[int, list[int]]] = {}
+        self._ticket = 0
+        self.prefill_ms_per_token = prefill_ms_per_token
+        # plugin_state: (endpoint key, monotonic time, ticket in _flight)
+        self._started = f"{name}/started"
+        self._clock = time.monotonic
         self._group_key = f"{name}/group"  # plugin_state: the request's prefix group
 
     @classmethod
@@ -232,15 +269,81 @@ class ApproxPrefixCacheProducer:
 
     def hot(self, endpoints: Sequence[Endpoint]) -> set[str]:
         """Keys of candidates loaded far above the least-loaded one (see module doc)."""
-        if self.balance_abs_threshold <= 0 or len(endpoints) < 2:
+        if len(endpoints) < 2:
             return set()
-        inflight = self.inflight
-        loads = [max(inflight.get(e.key, 0),
-                     e.metrics.waiting_queue_size + e.metrics.running_requests)
-                 for e in endpoints]
-        low = min(loads)
-        limit = max(low + self.balance_abs_threshold, low * self.balance_rel_threshold)
-        return {e.key for e, load in zip(endpoints, loads) if load > limit}
+        hot: set[str] = set()
+        if self.balance_abs_threshold > 0:
+            inflight = self.inflight
+            loads = [max(inflight.get(e.key, 0),
+                         e.metrics.waiting_queue_size + e.metrics.running_requests)
+                     for e in endpoints]
+            low = min(loads)
+            limit = max(low + self.balance_abs_threshold, low * self.balance_rel_threshold)
+            hot = {e.key for e, load in zip(endpoints, loads) if load > limit}
+        return hot
+
+    def full(self, request: LLMRequest, endpoints: Sequence[Endpoint],
+             matched: dict[str, int]) -> set[str]:
+        """``avoidQueueing`` (see module doc): the candidates where this request would
+        wait for room in the KV cache for longer than the prefill their cached prefix
+        saves over another candidate."""
+        tokens_per_block = self.block_chars / CHARS_PER_TOKEN
+        prompt_tokens = len(request.prompt) / CHARS_PER_TOKEN
+        ms = self.prefill_ms_per_token
+        hashes = self.hashes(request)
+        costs: list[float] = []
+        waiting: list[str] = []
+        for e in endpoints:
+            key = e.key
+            uncached = max(0.0, prompt_tokens - matched.get(key, 0) * tokens_per_block)
+            wait = self._wait(e, self._need(request, key, hashes))
+            if wait > 0.0:
+                waiting.append(key)
+            costs.append(wait + uncached * ms)
+        if not waiting:
+            return set()
+        best = min(costs)
+        return {e.key for e, c in zip(endpoints, costs) if c > best and e.key in waiting}
+
+    def _need(self, request: LLMRequest, key: str, hashes: Sequence[int]) -> float:
+        """KV tokens ``request`` would take on endpoint ``key``: its output and its prompt
+        less the blocks a request in flight there (routed by this EPP) already holds —
+        blocks cached but not in use are free room the request takes like any other."""
+        shared = 0
+        for other in self._flight.get(key, {}).values():
+            n = min(len(other), len(hashes))
+            if n <= shared or other[shared] != hashes[shared]:
+                continue
+            # chained hashes: equal at k means equal up to k — the longest shared run
+            lo, hi = shared + 1, n
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if other[mid - 1] == hashes[mid - 1]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            shared = lo
+        return (max(0, len(request.prompt) - shared * self.block_chars) / CHARS_PER_TOKEN
+                + (request.max_tokens or 0))
+
+    def _wait(self, e: Endpoint, need: float) -> float:
+        """Predicted ms until ``e`` has room in its KV cache for ``need`` more tokens: 0
+        while its free KV cache (at its last scrape, less what this EPP routed there
+        since) holds them; else (requests ahead + 1) × its mean time per request ÷ (the
+        requests it runs + 1)."""
+        m = e.metrics
+        duration = self._duration.get(e.key)
+        if not m.num_blocks or duration is None:
+            return 0.0
+        pending = self._pending.get(e.key)
+        tokens, count = (pending[1], pending[2]) if pending and pending[0] == m.updated_at \
+            else (0.0, 0)
+        free = m.num_blocks * (1.0 - m.kv_cache_usage) * (m.block_size or 16) - tokens
+        if free >= need or m.running_requests + m.waiting_queue_size + count == 0:
+            return 0.0
+        # the running requests are at random points of their ~duration: the first ends
+        # after duration / (running + 1) on average, the k-th after k times that
+        return (m.waiting_queue_size + count + 1) * duration / (m.running_requests + 1)
 
     def under_replicated(self, request: LLMRequest, endpoints: Sequence[Endpoint],
                          matched: dict[str, int]) -> set[str]:
@@ -267,14 +370,38 @@ class ApproxPrefixCacheProducer:
         if self.popularity is not None:
             self.popularity.count(request.plugin_state.get(self._group_key))
         hashes = self.hashes(request)
+        matched = 0
         if hashes:
             # For the exported hit ratio: how much of the prompt the chosen endpoint held.
             matched = self.index.match(hashes, (key,)).get(key, 0)
             request.plugin_state[keys.PLUGIN_STATE_PREFIX_HIT_RATIO] = matched / len(hashes)
             request.plugin_state[keys.PLUGIN_STATE_PREFIX_HIT_BYTES] = matched * self.block_chars
             self.index.add(key, hashes)
+        if self.avoid_queueing:
+            at = result.primary.endpoints[0].metrics.updated_at
+            need = self._need(request, key, hashes)
+            self._ticket += 1
+            self._flight.setdefault(key, {})[self._ticket] = hashes
+            request.plugin_state[self._started] = (key, self._clock(), self._ticket)
+            old = self._pending.get(key)
+            if old is not None and old[0] == at:
+                self._pending[key] = (at, old[1] + need, old[2] + 1)
+            else:
+                self._pending[key] = (at, need, 1)
 
     def response_complete(self, request: LLMRequest, endpoint_key: str, aborted: bool) -> None:
+        started = request.plugin_state.pop(self._started, None)
+        if started is not None:
+            flight = self._flight.get(started[0])
+            if flight is not None:
+                flight.pop(started[2], None)
+                if not flight:
+                    del self._flight[started[0]]
+            if started[0] == endpoint_key and not aborted:
+                ms = 1000.0 * (self._clock() - started[1])
+                old = self._duration.get(endpoint_key)
+                self._duration[endpoint_key] = (ms if old is None
+                                                else old + _DURATION_ALPHA * (ms - old))
         n = self.inflight.get(endpoint_key, 0) - 1
         if n > 0:
             self.inflight[endpoint_key] = n
@@ -285,6 +412,9 @@ class ApproxPrefixCacheProducer:
         self.index.remove_endpoint(key)
         self._tuned.pop(key, None)
         self.inflight.pop(key, None)
+        self._pending.pop(key, None)
+        self._duration.pop(key, None)
+        self._flight.pop(key, None)
 
 
 class PrefixCacheScorer:
@@ -341,6 +471,8 @@ class PrefixCacheScorer:
         if not total:
             return [0.0] * len(endpoints)
         hot = self.producer.hot(endpoints)
+        if getattr(self.producer, "avoid_queueing", False):
+            hot = hot | self.producer.full(request, endpoints, matched)
         spread = getattr(self.producer, "under_replicated", None)  # approximate only
         if spread is not None and (holders := spread(request, endpoints, matched)):
             hot = hot | holders

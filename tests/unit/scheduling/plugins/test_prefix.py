@@ -262,3 +262,96 @@ def test_replicate_hot_prefixes_is_off_by_default_and_parsed() -> None:
     built = build(cfg)
     prod = next(p for p in built.plugins.values() if isinstance(p, ApproxPrefixCacheProducer))
     assert prod.popularity is not None
+
+
+
+def _scraped(i: int, at: float, waiting: int = 0, running: int = 0,
+             usage: float = 0.0) -> Endpoint:
+    """An endpoint of 100 blocks of 16 tokens (1,600 tokens, 6,400 prompt characters)."""
+    return Endpoint(f"p{i}", f"10.0.0.{i}", 8000, metrics=Metrics(
+        waiting_queue_size=waiting, running_requests=running, kv_cache_usage=usage,
+        num_blocks=100, block_size=16, updated_at=at))
+
+
+
+
+def test_avoid_queueing_weighs_the_wait_for_kv_room_against_the_saved_prefill() -> None:
+    prod = ApproxPrefixCacheProducer("prod", balance_abs_threshold=0, avoid_queueing=True)
+    a, b = "10.0.0.0:8000", "10.0.0.1:8000"
+    r = req("x" * 4000)  # 1,000 tokens: 50 ms of prefill at 0.05 ms/token
+    cached = {a: 62}     # a holds 992 of them (62 blocks of 16 tokens), b none
+    running = req(r.prompt)  # the same prompt in flight on a: its blocks are in use there
+    went_to(prod, running, _scraped(0, 0.5))
+    assert prod._need(r, a, prod.hashes(r)) == 8.0 and prod._need(r, b, prod.hashes(r)) == 1000
+    prod._duration = {a: 400.0, b: 400.0}
+    # a runs one request and has room for the 8 tokens the new one adds: no wait
+    assert prod.full(r, [_scraped(0, 1.0, running=1, usage=0.9), _scraped(1, 1.0)],
+                     cached) == set()
+    # ... but not for its output as well (200 tokens): it would wait half a response
+    # (200 ms) there to save 50 ms of prefill
+    long_answer = LLMRequest("r", "m", "m", ApiType.COMPLETIONS, r.prompt, {}, max_tokens=200)
+    assert prod.full(long_answer, [_scraped(0, 1.0, running=1, usage=0.9), _scraped(1, 1.0)],
+                     cached) == {a}
+    assert prod.full(r, [_scraped(0, 1.0, running=1, usage=0.999), _scraped(1, 1.0)],
+                     cached) == {a}
+    # a wait shorter than the prefill saved keeps the affinity
+    prod._duration[a] = 80.0
+    assert prod.full(r, [_scraped(0, 1.0, running=1, usage=0.999), _scraped(1, 1.0)],
+                     cached) == set()
+    prod._duration[a] = 400.0
+    # what this EPP routed to a since its last scrape takes a's free room (160 tokens)
+    other = req("y" * 4000)
+    went_to(prod, other, _scraped(0, 2.0, running=1, usage=0.9))
+    assert prod._pending[a] == (2.0, 1000.0, 1)
+    assert prod.full(r, [_scraped(0, 2.0, running=1, usage=0.9), _scraped(1, 2.0)],
+                     cached) == {a}
+    # 1 ahead, and the running one ends after half its duration on average: 2 x 400 / 2
+    assert prod._wait(_scraped(0, 2.0, running=1, usage=0.9), 8.0) == 400.0
+    # a newer scrape already counts it
+    assert prod.full(r, [_scraped(0, 3.0, running=2, usage=0.5), _scraped(1, 3.0)],
+                     cached) == set()
+    # an idle pod never waits; both full: the shorter wait plus prefill keeps its affinity
+    assert prod._wait(_scraped(0, 4.0, usage=1.0), 8.0) == 0.0
+    assert prod.full(r, [_scraped(0, 4.0, running=2, usage=1.0),
+                         _scraped(1, 4.0, waiting=1, running=1, usage=1.0)], cached) == {b}
+    # responses that end free their blocks
+    prod.response_complete(running, a, aborted=False)
+    assert prod._need(r, a, prod.hashes(r)) == 1000.0
+    # no response measured on a pod yet, or no cache_config_info: nothing to weigh
+    fresh = ApproxPrefixCacheProducer("f", balance_abs_threshold=0, avoid_queueing=True)
+    assert fresh.full(r, [_scraped(0, 1.0, running=1, usage=1.0), _scraped(1, 1.0)],
+                      cached) == set()
+    bare = Endpoint("p0", "10.0.0.0", 8000, metrics=Metrics(running_requests=9,
+                                                            kv_cache_usage=1.0))
+    assert prod._wait(bare, 8.0) == 0.0
+    prod.endpoint_removed(a)
+    assert a not in prod._pending and a not in prod._duration and a not in prod._flight
+
+def test_avoid_queueing_measures_durations_and_zeroes_the_prefix_score() -> None:
+    cfg = parse_config(
+        "apiVersion: inference.networking.x-k8s.io/v1alpha1\n"
+        "kind: EndpointPickerConfig\n"
+        "plugins:\n"
+        "- type: approx-prefix-cache-producer\n"
+        "  parameters: {avoidQueueing: true, balanceAbsThreshold: 0, prefillMsPerToken: 0.1}\n"
+        "- type: prefix-cache-scorer\n"
+        "- type: max-score-picker\n"
+        "schedulingProfiles:\n"
+        "- name: default\n"
+        "  plugins: [{pluginRef: prefix-cache-scorer}, {pluginRef: max-score-picker}]\n")
+    built = build(cfg)
+    prod = next(p for p in built.plugins.values() if isinstance(p, ApproxPrefixCacheProducer))
+    scorer = next(p for p in built.plugins.values() if isinstance(p, PrefixCacheScorer))
+    assert prod.avoid_queueing and prod.prefill_ms_per_token == 0.1
+    assert not ApproxPrefixCacheProducer("x").avoid_queueing
+    prompt = "a long shared document " * 200  # 4,600 characters
+    e0 = _scraped(0, 1.0)
+    first = req(prompt)
+    went_to(prod, first, e0)
+    prod.response_complete(first, e0.key, aborted=False)
+    assert prod._duration[e0.key] >= 0.0
+    prod._duration[e0.key] = 10_000.0  # as if that response had taken 10 s
+    quiet = [_scraped(0, 1.5, running=1), _scraped(1, 1.5)]  # a scrape after that request
+    assert scorer.score(CycleState(), req(prompt), quiet)[0] == 1.0
+    starved = [_scraped(0, 2.0, waiting=1, running=1, usage=1.0), _scraped(1, 2.0)]
+    assert scorer.score(CycleState(), req(prompt), starved) == [0.0, 0.0]

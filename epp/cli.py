@@ -692,7 +692,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _check_config(args)
     if args.command == "bench":
         _setup_logging("warning")
-        if args.sweep or args.held_out:
+        if args.sweep or args.held_out or args.shape_seeds:
             from epp.bench.sweep import main as sweep_main
 
             return sweep_main(args)

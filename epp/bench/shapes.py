@@ -174,12 +174,27 @@ def training_seeds(n: int, seed: int) -> list[int]:
     return [seed * MAX_SWEEP + i for i in range(n)]
 
 
+def check_shape_seeds(seeds: Sequence[int]) -> list[int]:
+    """``--shape-seeds``: training shape seeds a sweep ``--seed`` could draw; ValueError for
+    one that could not (negative, or at or above the held-out range's neighbourhood)."""
+    top = min(HELD_OUT_SEEDS) // MAX_SWEEP * MAX_SWEEP
+    for s in seeds:
+        if not 0 <= s < top:
+            raise ValueError(f"--shape-seeds: {s} is not a training shape seed (0..{top - 1}; "
+                             "the held-out shapes run with --held-out)")
+    return list(seeds)
+
+
 def sweep_shapes(n: int, seed: int, *, held_out: bool, max_pods: int = DEFAULT_MAX_PODS,
-                 smoke: bool = False) -> list[Shape]:
-    """``n`` training shapes (the pinned one first) and, with ``held_out``, the held-out
-    set after them."""
+                 smoke: bool = False, shape_seeds: Sequence[int] = ()) -> list[Shape]:
+    """``n`` training shapes (the pinned one first) — or, given ``shape_seeds``, the
+    training shapes of exactly those seeds — and, with ``held_out``, the held-out set after
+    them."""
     out: list[Shape] = []
-    if n > 0:
+    if shape_seeds:
+        out += [draw_shape(s, max_pods=max_pods, smoke=smoke)
+                for s in check_shape_seeds(shape_seeds)]
+    elif n > 0:
         out.append(pinned_shape(smoke=smoke))
         out += [draw_shape(s, max_pods=max_pods, smoke=smoke)
                 for s in training_seeds(n - 1, seed)]

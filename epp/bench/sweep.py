@@ -417,7 +417,7 @@ async def run_sweep(args: argparse.Namespace, log: Callable[[str], None] = print
     base_args = [*shlex.split(BASE_SIM_ARGS), *extra]
     base = base_costs(base_args)
     shapes = sweep_shapes(args.sweep, args.seed, held_out=args.held_out,
-                          max_pods=args.max_pods, smoke=smoke)
+                          max_pods=args.max_pods, smoke=smoke, shape_seeds=args.shape_seeds)
     routers = parse_routers(args.routers, args.config)
     skipped: dict[str, str] = {}
     if any(r.kind == "sglang" for r in routers):
@@ -427,7 +427,9 @@ async def run_sweep(args: argparse.Namespace, log: Callable[[str], None] = print
             skipped["sglang"] = why
     out_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="epp-sweep-"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    command = (f"epp bench --sweep {args.sweep} --seed {args.seed}"
+    picked = ",".join(str(x) for x in args.shape_seeds)
+    command = ("epp bench " + (f"--shape-seeds {picked}" if picked
+                                else f"--sweep {args.sweep} --seed {args.seed}")
                + (" --held-out" if args.held_out else "") + (" --smoke" if smoke else ""))
     log(f"{command}: {len(shapes)} shapes x {len(routers)} routers, output in {out_dir}")
     # SIGTERM and SIGHUP stop the sweep as Ctrl-C does: every stack is closed on the way.
@@ -456,7 +458,8 @@ async def run_sweep(args: argparse.Namespace, log: Callable[[str], None] = print
     labels = [r.label for r in routers if r.kind not in skipped]
     agg, checks = evaluate(entries, labels)
     report: dict[str, Any] = {
-        "command": command, "seed": args.seed, "sweep": args.sweep, "held_out": args.held_out,
+        "command": command, "seed": args.seed, "sweep": args.sweep,
+        "shape_seeds": list(args.shape_seeds), "held_out": args.held_out,
         "held_out_seeds": list(HELD_OUT_SEEDS), "smoke": smoke, "max_pods": args.max_pods,
         "shape_duration_s": args.shape_duration, "min_rate": args.min_rate,
         "max_rate": args.max_rate, "base_sim_args": base_args,
@@ -487,12 +490,27 @@ def _cpus() -> int:
 # ----------------------------------------------------------------- command line
 
 
+def _seed_list(text: str) -> tuple[int, ...]:
+    try:
+        seeds = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}") from None
+    if not seeds:
+        raise argparse.ArgumentTypeError("expected at least one seed")
+    return seeds
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sweep (docs/benchmarks.md, \"Sweep\")")
     g.add_argument("--sweep", type=int, default=0, metavar="N",
                    help="draw N workload shapes from --seed (the first is the issue's "
                    "capacity-bound shared-prefix shape) and run every router on each; "
                    "uses --seed, --routers, --config, --sim-args, --drain, --out, --smoke")
+    g.add_argument("--shape-seeds", type=_seed_list, default=(), metavar="S1,S2,...",
+                   help="instead of --sweep N: the training shapes of exactly these seeds "
+                   "(e.g. the bursty ones of an earlier sweep, to tune on them again); "
+                   "held-out seeds are refused")
     g.add_argument("--held-out", action="store_true",
                    help=f"also run the {len(HELD_OUT_SEEDS)} held-out shapes (seeds "
                    f"{HELD_OUT_SEEDS[0]}..{HELD_OUT_SEEDS[-1]}; never tune on them), "
@@ -544,10 +562,12 @@ def main(args: argparse.Namespace) -> int:
         return bad("--shape-duration and --min-rate must be > 0 and --max-rate >= --min-rate")
     if args.sweep < 0:
         return bad(f"--sweep must be >= 0, got {args.sweep}")
+    if args.shape_seeds and args.sweep:
+        return bad("--shape-seeds replaces --sweep N (give one of them)")
     try:
         parse_routers(args.routers, args.config)
         sweep_shapes(args.sweep, args.seed, held_out=args.held_out, max_pods=args.max_pods,
-                     smoke=smoke)
+                     smoke=smoke, shape_seeds=args.shape_seeds)
         report = asyncio.run(run_sweep(args, log=lambda s: print(s, flush=True)))
     except ValueError as e:
         return bad(f"error: {e}")

@@ -91,6 +91,14 @@ def test_held_out_seeds_are_disjoint_from_every_training_seed() -> None:
     assert len({s.name for s in shapes}) == len(shapes)
     assert sh.sweep_shapes(0, 1, held_out=True) == shapes[4:]
     assert not set(sh.training_seeds(3, 1)) & {s.seed for s in shapes[4:]}
+    # --shape-seeds: exactly those training shapes (no pinned one), the same draws a
+    # --sweep reaching them makes; held-out seeds and their neighbourhood are refused
+    picked = sh.sweep_shapes(0, 1, held_out=False, shape_seeds=(102, 101))
+    assert picked == [shapes[3], shapes[2]]
+    assert sh.sweep_shapes(9, 1, held_out=True, shape_seeds=(101,)) == [shapes[2], *shapes[4:]]
+    for bad in (-1, top * sh.MAX_SWEEP, min(sh.HELD_OUT_SEEDS)):
+        with pytest.raises(ValueError, match="--shape-seeds"):
+            sh.sweep_shapes(0, 1, held_out=False, shape_seeds=(bad,))
 
 
 def test_pinned_shape_is_the_issues_capacity_bound_shared_prefix() -> None:
@@ -302,11 +310,20 @@ def _args(*argv: str) -> Any:
     (("--sweep", "2", "--seed", "9000"), "held-out"),
     (("--sweep", "2", "--routers", "epp,nginx"), "unknown router"),
     (("--sweep", "2", "--max-rate", "1", "--min-rate", "5"), "--max-rate"),
+    (("--sweep", "2", "--shape-seeds", "189"), "--shape-seeds replaces --sweep"),
+    (("--shape-seeds", "189,900001"), "not a training shape seed"),
 ])
 def test_cli_rejects_what_a_sweep_cannot_do(argv: tuple[str, ...], msg: str,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     assert sw.main(_args(*argv)) == 2
     assert msg in capsys.readouterr().err
+
+
+def test_shape_seeds_parse_as_a_comma_list() -> None:
+    assert _args("--shape-seeds", "189, 352,388").shape_seeds == (189, 352, 388)
+    assert _args().shape_seeds == ()
+    with pytest.raises(SystemExit):
+        _args("--shape-seeds", "189,x")
 
 
 def test_default_routers_include_gies_default_config() -> None:

@@ -291,12 +291,16 @@ class ApproxPrefixCacheProducer:
         prompt_tokens = len(request.prompt) / CHARS_PER_TOKEN
         ms = self.prefill_ms_per_token
         hashes = self.hashes(request)
+        most = prompt_tokens + (request.max_tokens or 0)  # the need with nothing shared
         costs: list[float] = []
         waiting: list[str] = []
         for e in endpoints:
             key = e.key
             uncached = max(0.0, prompt_tokens - matched.get(key, 0) * tokens_per_block)
-            wait = self._wait(e, self._need(request, key, hashes))
+            # room for the most it could need: no wait, and no need to compare in-flight
+            # requests' blocks with its own
+            wait = (0.0 if self._free(e) >= most
+                    else self._wait(e, self._need(request, key, hashes)))
             if wait > 0.0:
                 waiting.append(key)
             costs.append(wait + uncached * ms)
@@ -326,6 +330,16 @@ class ApproxPrefixCacheProducer:
         return (max(0, len(request.prompt) - shared * self.block_chars) / CHARS_PER_TOKEN
                 + (request.max_tokens or 0))
 
+    def _free(self, e: Endpoint) -> float:
+        """Free KV tokens on ``e``: at its last scrape, less what this EPP routed there
+        since (infinite without ``cache_config_info``)."""
+        m = e.metrics
+        if not m.num_blocks:
+            return math.inf
+        pending = self._pending.get(e.key)
+        routed = pending[1] if pending and pending[0] == m.updated_at else 0.0
+        return m.num_blocks * (1.0 - m.kv_cache_usage) * (m.block_size or 16) - routed
+
     def _wait(self, e: Endpoint, need: float) -> float:
         """Predicted ms until ``e`` has room in its KV cache for ``need`` more tokens: 0
         while its free KV cache (at its last scrape, less what this EPP routed there
@@ -336,10 +350,8 @@ class ApproxPrefixCacheProducer:
         if not m.num_blocks or duration is None:
             return 0.0
         pending = self._pending.get(e.key)
-        tokens, count = (pending[1], pending[2]) if pending and pending[0] == m.updated_at \
-            else (0.0, 0)
-        free = m.num_blocks * (1.0 - m.kv_cache_usage) * (m.block_size or 16) - tokens
-        if free >= need or m.running_requests + m.waiting_queue_size + count == 0:
+        count = pending[2] if pending and pending[0] == m.updated_at else 0
+        if self._free(e) >= need or m.running_requests + m.waiting_queue_size + count == 0:
             return 0.0
         # the running requests are at random points of their ~duration: the first ends
         # after duration / (running + 1) on average, the k-th after k times that

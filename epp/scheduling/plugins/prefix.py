@@ -293,7 +293,7 @@ class ApproxPrefixCacheProducer:
         hashes = self.hashes(request)
         most = prompt_tokens + (request.max_tokens or 0)  # the need with nothing shared
         costs: list[float] = []
-        waiting: list[str] = []
+        waiting: set[str] = set()
         for e in endpoints:
             key = e.key
             uncached = max(0.0, prompt_tokens - matched.get(key, 0) * tokens_per_block)
@@ -302,7 +302,7 @@ class ApproxPrefixCacheProducer:
             wait = (0.0 if self._free(e) >= most
                     else self._wait(e, self._need(request, key, hashes)))
             if wait > 0.0:
-                waiting.append(key)
+                waiting.add(key)
             costs.append(wait + uncached * ms)
         if not waiting:
             return set()

@@ -3,6 +3,8 @@ index they use: tests/unit/scheduling/prefix/test_indexer.py)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from epp.config.loader import build, load_and_build, parse_config
@@ -246,20 +248,25 @@ def test_replicate_hot_prefixes_spreads_a_hot_prompt_and_keeps_a_cold_one() -> N
     assert sorted(scores) == [0.0, 0.0, 0.0, 1.0]
 
 
-def test_replicate_hot_prefixes_is_off_by_default_and_parsed() -> None:
-    assert ApproxPrefixCacheProducer("prod").popularity is None
-    cfg = parse_config(
+def _built_with_producer(parameters: str) -> Any:
+    """A config of the approximate producer with ``parameters`` (YAML flow mapping), the
+    prefix scorer and a picker, built."""
+    return build(parse_config(
         "apiVersion: inference.networking.x-k8s.io/v1alpha1\n"
         "kind: EndpointPickerConfig\n"
         "plugins:\n"
         "- type: approx-prefix-cache-producer\n"
-        "  parameters: {replicateHotPrefixes: true}\n"
+        f"  parameters: {parameters}\n"
         "- type: prefix-cache-scorer\n"
         "- type: max-score-picker\n"
         "schedulingProfiles:\n"
         "- name: default\n"
-        "  plugins: [{pluginRef: prefix-cache-scorer}, {pluginRef: max-score-picker}]\n")
-    built = build(cfg)
+        "  plugins: [{pluginRef: prefix-cache-scorer}, {pluginRef: max-score-picker}]\n"))
+
+
+def test_replicate_hot_prefixes_is_off_by_default_and_parsed() -> None:
+    assert ApproxPrefixCacheProducer("prod").popularity is None
+    built = _built_with_producer("{replicateHotPrefixes: true}")
     prod = next(p for p in built.plugins.values() if isinstance(p, ApproxPrefixCacheProducer))
     assert prod.popularity is not None
 
@@ -328,18 +335,8 @@ def test_avoid_queueing_weighs_the_wait_for_kv_room_against_the_saved_prefill() 
     assert a not in prod._pending and a not in prod._duration and a not in prod._flight
 
 def test_avoid_queueing_measures_durations_and_zeroes_the_prefix_score() -> None:
-    cfg = parse_config(
-        "apiVersion: inference.networking.x-k8s.io/v1alpha1\n"
-        "kind: EndpointPickerConfig\n"
-        "plugins:\n"
-        "- type: approx-prefix-cache-producer\n"
-        "  parameters: {avoidQueueing: true, balanceAbsThreshold: 0, prefillMsPerToken: 0.1}\n"
-        "- type: prefix-cache-scorer\n"
-        "- type: max-score-picker\n"
-        "schedulingProfiles:\n"
-        "- name: default\n"
-        "  plugins: [{pluginRef: prefix-cache-scorer}, {pluginRef: max-score-picker}]\n")
-    built = build(cfg)
+    built = _built_with_producer(
+        "{avoidQueueing: true, balanceAbsThreshold: 0, prefillMsPerToken: 0.1}")
     prod = next(p for p in built.plugins.values() if isinstance(p, ApproxPrefixCacheProducer))
     scorer = next(p for p in built.plugins.values() if isinstance(p, PrefixCacheScorer))
     assert prod.avoid_queueing and prod.prefill_ms_per_token == 0.1

@@ -207,10 +207,8 @@ class ApproxPrefixCacheProducer:
         self.inflight: dict[str, int] = {}
         self.popularity = PrefixPopularity() if replicate_hot_prefixes else None
         self.avoid_queueing = avoid_queueing
-        # avoidQueueing: per endpoint, the running requests it was last seen holding while
-        # requests waited (its demonstrated concurrency), and the scrape that was read last
-        # per endpoint, what this EPP routed there since its last scrape: (that scrape's
-        # updated_at, tokens needed — prompt not cached there, and output —, requests)
+        # avoidQueueing, per endpoint: what this EPP routed there since its last scrape
+        # (that scrape's updated_at, the KV tokens those requests need, their number)
         self._pending: dict[str, tuple[float | None, float, int]] = {}
         self._duration: dict[str, float] = {}  # ms, mean from routing to response end
         # per endpoint: the block hashes of each request this EPP has in flight there
@@ -269,18 +267,15 @@ class ApproxPrefixCacheProducer:
 
     def hot(self, endpoints: Sequence[Endpoint]) -> set[str]:
         """Keys of candidates loaded far above the least-loaded one (see module doc)."""
-        if len(endpoints) < 2:
+        if self.balance_abs_threshold <= 0 or len(endpoints) < 2:
             return set()
-        hot: set[str] = set()
-        if self.balance_abs_threshold > 0:
-            inflight = self.inflight
-            loads = [max(inflight.get(e.key, 0),
-                         e.metrics.waiting_queue_size + e.metrics.running_requests)
-                     for e in endpoints]
-            low = min(loads)
-            limit = max(low + self.balance_abs_threshold, low * self.balance_rel_threshold)
-            hot = {e.key for e, load in zip(endpoints, loads) if load > limit}
-        return hot
+        inflight = self.inflight
+        loads = [max(inflight.get(e.key, 0),
+                     e.metrics.waiting_queue_size + e.metrics.running_requests)
+                 for e in endpoints]
+        low = min(loads)
+        limit = max(low + self.balance_abs_threshold, low * self.balance_rel_threshold)
+        return {e.key for e, load in zip(endpoints, loads) if load > limit}
 
     def full(self, request: LLMRequest, endpoints: Sequence[Endpoint],
              matched: dict[str, int]) -> set[str]:

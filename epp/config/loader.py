@@ -79,7 +79,7 @@ kind: EndpointPickerConfig
 plugins:
 - type: approx-prefix-cache-producer
   parameters: {blockSizeTokens: 16, maxPrefixBlocksToMatch: 256, lruCapacityPerServer: 31250,
-               avoidQueueing: true}
+               avoidQueueing: true, balancePopularOnly: true}
 - type: prefix-cache-scorer
 - type: active-request-scorer
 - type: no-hit-lru-scorer

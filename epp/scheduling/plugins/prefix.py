@@ -14,6 +14,13 @@ requests — exceeds the least-loaded candidate's by more than ``balanceAbsThres
 is above ``balanceRelThreshold`` × that minimum; a hot endpoint's prefix score is 0, so
 the load scorers decide. ``balanceAbsThreshold: 0`` turns the guard off. (The same idea
 as sglang-router's cache-aware balance thresholds, applied per endpoint.)
+``balancePopularOnly`` (off by default) narrows the guard to the prefixes that need it:
+it applies only while the request's prefix group is popular enough to call for more
+holders than it has (its share of the recent requests × the candidates, rounded up, as
+``replicateHotPrefixes`` counts it below). A prefix one pod can serve — one of many
+groups, a conversation — stays on its pod through the load's ups and downs, where the
+guard would send the request to a pod that must prefill it again and evict another
+group for it; one prompt that most traffic shares is still spread.
 
 Hot-prefix replication (``replicateHotPrefixes``, off by default). The producer keeps
 each prefix group's share of its recent requests (:class:`PrefixPopularity`); a group
@@ -125,6 +132,7 @@ class PrefixIndexParameters:
     auto_tune: bool = param("autoTune", True)
     balance_abs_threshold: int = param("balanceAbsThreshold", 4, minimum=0)
     balance_rel_threshold: float = param("balanceRelThreshold", 1.5, minimum=1.0)
+    balance_popular_only: bool = param("balancePopularOnly", False)
     replicate_hot_prefixes: bool = param("replicateHotPrefixes", False)
     avoid_queueing: bool = param("avoidQueueing", False)
     prefill_ms_per_token: float = param("prefillMsPerToken", 0.05, minimum=0.0)
@@ -151,6 +159,7 @@ class PrefixScorerParameters:
     auto_tune: bool | None = param("autoTune", None)
     balance_abs_threshold: int | None = param("balanceAbsThreshold", None, minimum=0)
     balance_rel_threshold: float | None = param("balanceRelThreshold", None, minimum=1.0)
+    balance_popular_only: bool | None = param("balancePopularOnly", None)
     replicate_hot_prefixes: bool | None = param("replicateHotPrefixes", None)
     avoid_queueing: bool | None = param("avoidQueueing", None)
     prefill_ms_per_token: float | None = param("prefillMsPerToken", None, minimum=0.0)
@@ -173,6 +182,7 @@ def _producer_kwargs(p: PrefixIndexParameters) -> dict[str, Any]:
             "auto_tune": p.auto_tune, "block_chars": p.hash_block_size,
             "balance_abs_threshold": p.balance_abs_threshold,
             "balance_rel_threshold": p.balance_rel_threshold,
+            "balance_popular_only": p.balance_popular_only,
             "replicate_hot_prefixes": p.replicate_hot_prefixes,
             "avoid_queueing": p.avoid_queueing,
             "prefill_ms_per_token": p.prefill_ms_per_token}
@@ -192,7 +202,7 @@ class ApproxPrefixCacheProducer:
     def __init__(self, name: str, block_size_tokens: int = 16, max_blocks: int = 256,
                  lru_capacity_per_server: int = 31_250, auto_tune: bool = True,
                  block_chars: int | None = None, balance_abs_threshold: int = 4,
-                 balance_rel_threshold: float = 1.5,
+                 balance_rel_threshold: float = 1.5, balance_popular_only: bool = False,
                  replicate_hot_prefixes: bool = False, avoid_queueing: bool = False,
                  prefill_ms_per_token: float = 0.05) -> None:
         self.name = name
@@ -205,7 +215,10 @@ class ApproxPrefixCacheProducer:
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self.inflight: dict[str, int] = {}
-        self.popularity = PrefixPopularity() if replicate_hot_prefixes else None
+        self.replicate_hot_prefixes = replicate_hot_prefixes
+        self.balance_popular_only = balance_popular_only
+        self.popularity = (PrefixPopularity() if replicate_hot_prefixes or balance_popular_only
+                           else None)
         self.avoid_queueing = avoid_queueing
         # avoidQueueing, per endpoint: what this EPP routed there since its last scrape
         # (that scrape's updated_at, the KV tokens those requests need, their number)
@@ -352,13 +365,29 @@ class ApproxPrefixCacheProducer:
         # after duration / (running + 1) on average, the k-th after k times that
         return (m.waiting_queue_size + count + 1) * duration / (m.running_requests + 1)
 
+    def excluded(self, request: LLMRequest, endpoints: Sequence[Endpoint],
+                 matched: dict[str, int]) -> set[str]:
+        """The candidates whose prefix score is 0 for ``request``: the balance guard's hot
+        ones (with ``balancePopularOnly``, only while the request's prefix is popular
+        enough to call for more holders than it has), ``avoidQueueing``'s and
+        ``replicateHotPrefixes``'. The popularity, when kept, counts every request."""
+        holders = (self.under_replicated(request, endpoints, matched)
+                   if self.popularity is not None else set())
+        hot = (set() if self.balance_popular_only and not holders
+               else self.hot(endpoints))
+        if self.avoid_queueing:
+            hot |= self.full(request, endpoints, matched)
+        if self.replicate_hot_prefixes:
+            hot |= holders
+        return hot
+
     def under_replicated(self, request: LLMRequest, endpoints: Sequence[Endpoint],
                          matched: dict[str, int]) -> set[str]:
-        """``replicateHotPrefixes``: the candidates holding the request's longest cached
-        prefix when that prefix is *hot* — its recent share of this EPP's requests calls
-        for more holders than it has (see module doc); their prefix score is then 0, so
-        the load scorers may place the request on a pod that does not hold it yet. Empty
-        otherwise."""
+        """The candidates holding the request's longest cached prefix when that prefix is
+        *hot* — its recent share of this EPP's requests calls for more holders than it
+        has (see module doc); empty otherwise. ``replicateHotPrefixes`` zeroes their
+        prefix score, so the load scorers may place the request on a pod that does not
+        hold it yet; ``balancePopularOnly`` lets the balance guard act only then."""
         pop = self.popularity
         if pop is None or len(endpoints) < 2 or not matched:
             return set()
@@ -477,10 +506,7 @@ class PrefixCacheScorer:
         total, matched = self.producer.match(state, request, endpoints)
         if not total:
             return [0.0] * len(endpoints)
-        hot = self.producer.hot(endpoints)
-        if getattr(self.producer, "avoid_queueing", False):
-            hot = hot | self.producer.full(request, endpoints, matched)
-        spread = getattr(self.producer, "under_replicated", None)  # approximate only
-        if spread is not None and (holders := spread(request, endpoints, matched)):
-            hot = hot | holders
+        excluded = getattr(self.producer, "excluded", None)  # approximate only
+        hot = (excluded(request, endpoints, matched) if excluded is not None
+               else self.producer.hot(endpoints))
         return [0.0 if e.key in hot else matched.get(e.key, 0) / total for e in endpoints]

@@ -264,6 +264,47 @@ def _built_with_producer(parameters: str) -> Any:
         "  plugins: [{pluginRef: prefix-cache-scorer}, {pluginRef: max-score-picker}]\n"))
 
 
+def test_balance_popular_only_guards_a_shared_prompt_but_not_one_of_many_groups() -> None:
+    built = _built_with_producer("{balancePopularOnly: true, balanceAbsThreshold: 2}")
+    prod = next(p for p in built.plugins.values() if isinstance(p, ApproxPrefixCacheProducer))
+    scorer = next(p for p in built.plugins.values() if isinstance(p, PrefixCacheScorer))
+    assert prod.balance_popular_only and prod.popularity is not None
+    assert not prod.replicate_hot_prefixes
+    assert not ApproxPrefixCacheProducer("x").balance_popular_only
+    e = eps(3)
+
+    def score(prompt: str) -> list[float]:
+        return list(scorer.score(CycleState(), req(prompt), e))
+
+    def route(prompt: str, to: Endpoint) -> None:
+        r = req(prompt)
+        scorer.score(CycleState(), r, e)  # finds the request's group, counted when routed
+        went_to(prod, r, to)
+
+    # 30 groups, each held by one pod, requested in turn: each is 1/30 of the traffic
+    groups = [f"group {g} system prompt " * 20 for g in range(30)]
+    for _ in range(3):
+        for g, prompt in enumerate(groups):
+            route(prompt + "q", e[g % 3])
+    # pod 0 is far busier than the others: the guard alone would zero its prefix score
+    prod.inflight = {e[0].key: 6}
+    assert prod.hot(e) == {e[0].key}
+    assert score(groups[0] + "q") == [1.0, 0.0, 0.0]  # one of many groups keeps its pod
+    # one prompt becomes most of the traffic: it calls for more holders, so the guard acts
+    shared = "the one shared system prompt " * 20
+    for _ in range(200):
+        route(shared + "q", e[0])
+    prod.inflight = {e[0].key: 6}
+    assert score(shared + "q")[0] == 0.0
+    prod.inflight = {}
+    assert score(shared + "q")[0] == 1.0             # not hot: affinity is back
+    # the plain guard (balancePopularOnly off) zeroes pod 0 for every prefix
+    plain = ApproxPrefixCacheProducer("plain", balance_abs_threshold=2)
+    plain.index = prod.index
+    plain.inflight = {e[0].key: 6}
+    assert plain.excluded(req(groups[0] + "q"), e, {e[0].key: 5}) == {e[0].key}
+
+
 def test_replicate_hot_prefixes_is_off_by_default_and_parsed() -> None:
     assert ApproxPrefixCacheProducer("prod").popularity is None
     built = _built_with_producer("{replicateHotPrefixes: true}")

@@ -115,7 +115,8 @@ EPP_ROUTERS: Final[dict[str, str]] = {"epp": RESPONSE_PATH_LEAN, EPP_INLINE: RES
 EPP_PRECISE: Final = "epp-precise"
 #: The built-in default config with the approximate producer replaced by the precise one
 #: (same scorers, same weights), speculative indexing on as llm-d's perf config, the
-#: approximate producer's balance guard (``balanceAbsThreshold``, this project's),
+#: approximate producer's balance guard (``balanceAbsThreshold``, this project's) for
+#: popular prefixes only (``balancePopularOnly``, as the default has it since session 15),
 #: tokenization in process with the prefix store (``token-producer`` ``local``), and
 #: ``pending-prefill-scorer`` (weight 1): the prefill work each pod's events show still
 #: to do, so a miss goes to a pod that is not prefilling.
@@ -136,6 +137,7 @@ plugins:
     tokenProcessorConfig: {blockSizeTokens: 16}
     speculativeIndexing: true
     balanceAbsThreshold: 4
+    balancePopularOnly: true
     kvEventsConfig:
       podDiscoveryConfig: {endpointPortOffset: ${KV_EVENTS_PORT_OFFSET}}
 - type: prefix-cache-scorer

@@ -31,7 +31,10 @@ the first before its events arrive.
 ``balanceAbsThreshold`` / ``balanceRelThreshold`` (this project's addition, off by
 default as llm-d has none): the approximate producer's balance guard — a candidate
 loaded far above the least-loaded one gets prefix score 0, so one hot prefix does not
-pile every request onto the pod that holds it.
+pile every request onto the pod that holds it. ``balancePopularOnly`` (off by default)
+narrows it as it does the approximate producer's: the guard acts only while the
+request's prefix group (the block key where its longest match ends) has a share of the
+recent requests that calls for more holders than it has.
 
 ``indexerConfig.tokenizersPoolConfig`` (deprecated): the producer refuses it, as llm-d's
 does; ``precise-prefix-cache-scorer`` runs its tokenizer itself for requests without
@@ -73,6 +76,7 @@ from epp.kvcache.subscriber import (
     zmq_addresses,
 )
 from epp.kvcache.tokenization import LocalTokenizer, TokenizedPrompt
+from epp.scheduling.plugins.prefix import PrefixPopularity
 from epp.scheduling.plugins.token_producer import (
     TOKENIZED_PROMPT,
     TokenProducer,
@@ -282,6 +286,9 @@ class PrecisePrefixParameters:
     # balanceAbsThreshold and balanceRelThreshold x that gets prefix score 0. 0: off.
     balance_abs_threshold: int = param("balanceAbsThreshold", 0, minimum=0)
     balance_rel_threshold: float = param("balanceRelThreshold", 1.5, minimum=1.0)
+    # The approximate producer's balancePopularOnly: the guard acts only while the
+    # request's prefix group calls for more holders than it has.
+    balance_popular_only: bool = param("balancePopularOnly", False)
 
 
 # ----------------------------------------------------------------------- producer
@@ -324,6 +331,8 @@ class PrecisePrefixCacheProducer:
         self.lookups = 0
         self.lookup_hits = 0
         self.inflight: dict[str, int] = {}
+        self.popularity = PrefixPopularity() if p.balance_popular_only else None
+        self._group_key = f"{name}/group"  # plugin_state: the request's prefix group
         # set by pending-prefill-scorer: record each decision's uncomputed blocks
         self.track_pending = False
         # llm-d's legacy producer: the tokenizer of tokenizersPoolConfig, run when a
@@ -534,6 +543,24 @@ class PrecisePrefixCacheProducer:
         limit = max(low + p.balance_abs_threshold, low * p.balance_rel_threshold)
         return {e.key for e, load in zip(endpoints, loads, strict=True) if load > limit}
 
+    def excluded(self, request: LLMRequest, endpoints: Sequence[Endpoint],
+                 matched: dict[str, int]) -> set[str]:
+        """The candidates whose prefix score is 0 for ``request``: the balance guard's hot
+        ones — with ``balancePopularOnly``, only while the request's prefix group (the
+        block where the longest match ends) calls for more holders than it has, as the
+        approximate producer counts it."""
+        pop = self.popularity
+        if pop is None:
+            return self.hot(endpoints)
+        best = max(matched.values(), default=0)
+        keys = self.block_keys(request)
+        if best <= 0 or len(endpoints) < 2 or not keys:
+            return set()
+        group = keys[min(best, len(keys)) - 1]
+        request.plugin_state[self._group_key] = group
+        return self.hot(endpoints) if pop.under_replicated(group, matched,
+                                                           len(endpoints)) else set()
+
     def response_complete(self, request: LLMRequest, endpoint_key: str, aborted: bool) -> None:
         n = self.inflight.get(endpoint_key, 0) - 1
         if n > 0:
@@ -545,6 +572,8 @@ class PrecisePrefixCacheProducer:
         if self.params.balance_abs_threshold > 0 and result.primary.endpoints:
             key = result.primary.endpoints[0].key
             self.inflight[key] = self.inflight.get(key, 0) + 1
+        if self.popularity is not None:
+            self.popularity.count(request.plugin_state.get(self._group_key))
         if not (self.params.speculative_indexing or self.track_pending):
             return
         keys = self.block_keys(request)

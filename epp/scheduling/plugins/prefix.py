@@ -119,6 +119,15 @@ class PrefixPopularity:
         share = min(1.0, self._weight(entry) / total)
         return max(1, math.ceil(share * endpoints - 1e-9))
 
+    def under_replicated(self, group: int, matched: dict[str, int], endpoints: int
+                         ) -> set[str]:
+        """The candidates holding the longest match (``matched``: blocks per endpoint
+        key, the group's last block being where that match ends) when the group calls
+        for more holders than that; empty otherwise."""
+        best = max(matched.values())
+        holders = {k for k, m in matched.items() if m == best}
+        return holders if len(holders) < self.replicas(group, endpoints) else set()
+
 
 @dataclass(frozen=True)
 class PrefixIndexParameters:
@@ -396,9 +405,7 @@ class ApproxPrefixCacheProducer:
             return set()
         group = self.hashes(request)[best - 1]
         request.plugin_state[self._group_key] = group
-        holders = {k for k, m in matched.items() if m == best}
-        want = pop.replicas(group, len(endpoints))
-        return holders if len(holders) < want else set()
+        return pop.under_replicated(group, matched, len(endpoints))
 
     def pre_request(self, request: LLMRequest, result: SchedulingResult) -> None:
         key = result.primary.endpoints[0].key
@@ -506,7 +513,6 @@ class PrefixCacheScorer:
         total, matched = self.producer.match(state, request, endpoints)
         if not total:
             return [0.0] * len(endpoints)
-        excluded = getattr(self.producer, "excluded", None)  # approximate only
-        hot = (excluded(request, endpoints, matched) if excluded is not None
-               else self.producer.hot(endpoints))
+        excluded = getattr(self.producer, "excluded", None)  # a Python plugin may lack it
+        hot = excluded(request, endpoints, matched) if excluded is not None else set()
         return [0.0 if e.key in hot else matched.get(e.key, 0) / total for e in endpoints]

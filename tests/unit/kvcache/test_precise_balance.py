@@ -165,3 +165,47 @@ schedulingProfiles:
     with pytest.raises(ConfigError, match="must not be empty"):
         load_and_build(text=base.format(
             extra="", params="parameters: {prefixMatchInfoProducerName: ''}"))
+
+
+def test_balance_popular_only_spreads_a_shared_prompt_but_keeps_one_of_many() -> None:
+    """``balancePopularOnly``: the guard zeroes an overloaded holder's prefix score only
+    for a prefix group whose share of the recent requests calls for more holders."""
+    from epp.kvcache.tokenization import TokenizedPrompt
+    from epp.scheduling.plugins.token_producer import TOKENIZED_PROMPT
+    from epp.scheduling.types import ApiType, LLMRequest, ProfileRunResult, SchedulingResult
+
+    prod = PrecisePrefixCacheProducer("p", decode_params(
+        PrecisePrefixParameters, {"balanceAbsThreshold": 2, "balancePopularOnly": True}, "p"))
+    eps = _eps()
+
+    def request(first: int) -> LLMRequest:
+        r = LLMRequest("r", "m", "m", ApiType.COMPLETIONS, "", {})
+        r.plugin_state[TOKENIZED_PROMPT] = TokenizedPrompt(tuple(range(first, first + 64)))
+        return r
+
+    def send(r: LLMRequest, matched: dict[str, int]) -> set[str]:
+        out = prod.excluded(r, eps, matched)
+        prod.pre_request(r, SchedulingResult({"default": ProfileRunResult((eps[0],))},
+                                             "default"))
+        return out
+
+    held = {eps[0].key: 4}  # only a holds the prompt's 4 blocks
+    # one shared prompt: every request is its group's -> it calls for 3 holders
+    for _ in range(6):
+        send(request(0), held)
+    assert prod.inflight[eps[0].key] == 6  # a is far busier than b and c (0)
+    assert prod.excluded(request(0), eps, held) == {eps[0].key}
+    # many groups, each seen once: a group calls for one holder, so a keeps it
+    quiet = PrecisePrefixCacheProducer("q", decode_params(
+        PrecisePrefixParameters, {"balanceAbsThreshold": 2, "balancePopularOnly": True}, "q"))
+    quiet.inflight[eps[0].key] = 6
+    for g in range(1, 40):
+        r = request(1000 * g)
+        assert quiet.excluded(r, eps, held) == set()
+        quiet.pre_request(r, SchedulingResult({"default": ProfileRunResult((eps[1],))},
+                                              "default"))
+    # without balancePopularOnly the plain guard acts on that request too
+    plain = PrecisePrefixCacheProducer("g", decode_params(
+        PrecisePrefixParameters, {"balanceAbsThreshold": 2}, "g"))
+    plain.inflight[eps[0].key] = 6
+    assert plain.excluded(request(5000), eps, held) == {eps[0].key}

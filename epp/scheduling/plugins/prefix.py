@@ -513,6 +513,11 @@ class PrefixCacheScorer:
         total, matched = self.producer.match(state, request, endpoints)
         if not total:
             return [0.0] * len(endpoints)
-        excluded = getattr(self.producer, "excluded", None)  # a Python plugin may lack it
-        hot = excluded(request, endpoints, matched) if excluded is not None else set()
+        # both built-in producers have excluded(); a Python plugin's may offer hot() only
+        excluded = getattr(self.producer, "excluded", None)
+        if excluded is not None:
+            hot = excluded(request, endpoints, matched)
+        else:
+            only_hot = getattr(self.producer, "hot", None)
+            hot = only_hot(endpoints) if only_hot is not None else set()
         return [0.0 if e.key in hot else matched.get(e.key, 0) / total for e in endpoints]

@@ -117,6 +117,8 @@ EPP_PRECISE: Final = "epp-precise"
 #: (same scorers, same weights), speculative indexing on as llm-d's perf config, the
 #: approximate producer's balance guard (``balanceAbsThreshold``, this project's) for
 #: popular prefixes only (``balancePopularOnly``, as the default has it since session 15),
+#: its ``avoidQueueing`` (as the default has it since session 14; on the precise producer
+#: since session 17),
 #: tokenization in process with the prefix store (``token-producer`` ``local``), and
 #: ``pending-prefill-scorer`` (weight 1): the prefill work each pod's events show still
 #: to do, so a miss goes to a pod that is not prefilling.
@@ -138,6 +140,7 @@ plugins:
     speculativeIndexing: true
     balanceAbsThreshold: 4
     balancePopularOnly: true
+    avoidQueueing: true
     kvEventsConfig:
       podDiscoveryConfig: {endpointPortOffset: ${KV_EVENTS_PORT_OFFSET}}
 - type: prefix-cache-scorer

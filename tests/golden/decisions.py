@@ -27,7 +27,6 @@ from epp.datastore.store import Datastore
 from epp.errors import EppError
 from epp.observability.metrics import EppMetrics
 from epp.requestcontrol.director import Director, SchedulingCore
-from epp.scheduling.plugins.prefix import ApproxPrefixCacheProducer
 from epp.scheduling.types import Endpoint, Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,8 +92,9 @@ async def replay(config: str) -> list[dict[str, Any]]:
         if hasattr(plugin, "_rng"):
             plugin._rng = random.Random(seeded)
             seeded += 1
-        if isinstance(plugin, ApproxPrefixCacheProducer):  # avoidQueueing's durations
-            plugin._clock = itertools.count(0.0, 0.01).__next__
+        queues = getattr(plugin, "queues", None)
+        if queues is not None:  # avoidQueueing's durations
+            queues.clock = itertools.count(0.0, 0.01).__next__
     store = Datastore()
     store.set_endpoints(_endpoints())
     for plugin in built.endpoint_removed:

@@ -76,7 +76,7 @@ from epp.kvcache.subscriber import (
     zmq_addresses,
 )
 from epp.kvcache.tokenization import LocalTokenizer, TokenizedPrompt
-from epp.scheduling.plugins.prefix import PrefixPopularity
+from epp.scheduling.plugins.prefix import PrefixPopularity, QueueAvoidance
 from epp.scheduling.plugins.token_producer import (
     TOKENIZED_PROMPT,
     TokenProducer,
@@ -289,6 +289,11 @@ class PrecisePrefixParameters:
     # The approximate producer's balancePopularOnly: the guard acts only while the
     # request's prefix group calls for more holders than it has.
     balance_popular_only: bool = param("balancePopularOnly", False)
+    # The approximate producer's avoidQueueing: a candidate whose KV cache has no room
+    # for the request, by its last scrape less what this EPP routed there since, and
+    # whose predicted wait plus prefill exceeds another's, gets prefix score 0.
+    avoid_queueing: bool = param("avoidQueueing", False)
+    prefill_ms_per_token: float = param("prefillMsPerToken", 0.05, minimum=0.0)
 
 
 # ----------------------------------------------------------------------- producer
@@ -333,6 +338,8 @@ class PrecisePrefixCacheProducer:
         self.inflight: dict[str, int] = {}
         self.popularity = PrefixPopularity() if p.balance_popular_only else None
         self._group_key = f"{name}/group"  # plugin_state: the request's prefix group
+        self.queues = QueueAvoidance(p.prefill_ms_per_token) if p.avoid_queueing else None
+        self._ticket_key = f"{name}/queue-ticket"  # plugin_state: the QueueAvoidance ticket
         # set by pending-prefill-scorer: record each decision's uncomputed blocks
         self.track_pending = False
         # llm-d's legacy producer: the tokenizer of tokenizersPoolConfig, run when a
@@ -448,6 +455,8 @@ class PrecisePrefixCacheProducer:
     def endpoint_removed(self, key: str) -> None:
         self._wanted.pop(key, None)
         self.inflight.pop(key, None)
+        if self.queues is not None:
+            self.queues.remove(key)
         self.manager.remove(key)
 
     def prefix_index_size(self) -> int:
@@ -548,10 +557,22 @@ class PrecisePrefixCacheProducer:
         """The candidates whose prefix score is 0 for ``request``: the balance guard's hot
         ones — with ``balancePopularOnly``, only while the request's prefix group (the
         block where the longest match ends) calls for more holders than it has, as the
-        approximate producer counts it."""
+        approximate producer counts it — and, with ``avoidQueueing``, those where it
+        would wait for KV room longer than the prefill their cached prefix saves."""
+        out = self.hot(endpoints) if self.popularity is None else self._popular_hot(
+            request, endpoints, matched)
+        tp = tokenized(request)
+        if self.queues is not None and len(endpoints) > 1 and tp is not None:
+            keys = self.block_keys(request)
+            if keys:
+                out |= self.queues.full(endpoints, matched, keys, tp.token_count,
+                                        self.block_size, request.max_tokens)
+        return out
+
+    def _popular_hot(self, request: LLMRequest, endpoints: Sequence[Endpoint],
+                     matched: dict[str, int]) -> set[str]:
         pop = self.popularity
-        if pop is None:
-            return self.hot(endpoints)
+        assert pop is not None
         best = max(matched.values(), default=0)
         keys = self.block_keys(request)
         if best <= 0 or len(endpoints) < 2 or not keys:
@@ -562,6 +583,10 @@ class PrecisePrefixCacheProducer:
                                                            len(endpoints)) else set()
 
     def response_complete(self, request: LLMRequest, endpoint_key: str, aborted: bool) -> None:
+        if self.queues is not None:
+            ticket = request.plugin_state.pop(self._ticket_key, None)
+            if ticket is not None:
+                self.queues.done(ticket, endpoint_key, aborted)
         n = self.inflight.get(endpoint_key, 0) - 1
         if n > 0:
             self.inflight[endpoint_key] = n
@@ -574,6 +599,12 @@ class PrecisePrefixCacheProducer:
             self.inflight[key] = self.inflight.get(key, 0) + 1
         if self.popularity is not None:
             self.popularity.count(request.plugin_state.get(self._group_key))
+        q, tp = self.queues, tokenized(request)
+        if q is not None and result.primary.endpoints and tp is not None:
+            target = result.primary.endpoints[0]
+            blocks = self.block_keys(request)
+            request.plugin_state[self._ticket_key] = q.routed(target, blocks, q.need(
+                target.key, blocks, tp.token_count, self.block_size, request.max_tokens))
         if not (self.params.speculative_indexing or self.track_pending):
             return
         keys = self.block_keys(request)

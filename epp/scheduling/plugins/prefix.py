@@ -129,6 +129,131 @@ class PrefixPopularity:
         return holders if len(holders) < self.replicas(group, endpoints) else set()
 
 
+class QueueAvoidance:
+    """``avoidQueueing`` (see module doc) for a prefix producer, in its own block keys:
+    what this EPP routed to each endpoint since its last scrape, the blocks of each
+    request it has in flight there, and each endpoint's mean time per request. Both the
+    approximate and the precise producer keep one."""
+
+    def __init__(self, prefill_ms_per_token: float) -> None:
+        self.prefill_ms_per_token = prefill_ms_per_token
+        # per endpoint: what this EPP routed there since its last scrape (that scrape's
+        # updated_at, the KV tokens those requests need, their number)
+        self.pending: dict[str, tuple[float | None, float, int]] = {}
+        self.duration: dict[str, float] = {}  # ms, mean from routing to response end
+        # per endpoint: the block keys of each request this EPP has in flight there
+        self.flight: dict[str, dict[int, Sequence[int]]] = {}
+        self._ticket = 0
+        self.clock = time.monotonic
+
+    def full(self, endpoints: Sequence[Endpoint], matched: dict[str, int],
+             blocks: Sequence[int], prompt_tokens: float, tokens_per_block: float,
+             max_tokens: int | None) -> set[str]:
+        """The candidates where a request (its prompt's ``blocks``, ``prompt_tokens`` in
+        all; ``matched``: blocks cached per endpoint key) would wait for room in the KV
+        cache for longer than the prefill their cached prefix saves over another
+        candidate."""
+        ms = self.prefill_ms_per_token
+        most = prompt_tokens + (max_tokens or 0)  # the need with nothing shared
+        costs: list[float] = []
+        waiting: set[str] = set()
+        for e in endpoints:
+            key = e.key
+            uncached = max(0.0, prompt_tokens - matched.get(key, 0) * tokens_per_block)
+            # room for the most it could need: no wait, and no need to compare in-flight
+            # requests' blocks with its own
+            wait = (0.0 if self.free(e) >= most else self.wait(
+                e, self.need(key, blocks, prompt_tokens, tokens_per_block, max_tokens)))
+            if wait > 0.0:
+                waiting.add(key)
+            costs.append(wait + uncached * ms)
+        if not waiting:
+            return set()
+        best = min(costs)
+        return {e.key for e, c in zip(endpoints, costs) if c > best and e.key in waiting}
+
+    def need(self, key: str, blocks: Sequence[int], prompt_tokens: float,
+             tokens_per_block: float, max_tokens: int | None) -> float:
+        """KV tokens a request would take on endpoint ``key``: its output and its prompt
+        less the blocks a request in flight there (routed by this EPP) already holds —
+        blocks cached but not in use are free room the request takes like any other."""
+        shared = 0
+        for other in self.flight.get(key, {}).values():
+            n = min(len(other), len(blocks))
+            if n <= shared or other[shared] != blocks[shared]:
+                continue
+            # chained keys: equal at k means equal up to k — the longest shared run
+            lo, hi = shared + 1, n
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if other[mid - 1] == blocks[mid - 1]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            shared = lo
+        return max(0.0, prompt_tokens - shared * tokens_per_block) + (max_tokens or 0)
+
+    def free(self, e: Endpoint) -> float:
+        """Free KV tokens on ``e``: at its last scrape, less what this EPP routed there
+        since (infinite without ``cache_config_info``)."""
+        m = e.metrics
+        if not m.num_blocks:
+            return math.inf
+        pending = self.pending.get(e.key)
+        routed = pending[1] if pending and pending[0] == m.updated_at else 0.0
+        return m.num_blocks * (1.0 - m.kv_cache_usage) * (m.block_size or 16) - routed
+
+    def wait(self, e: Endpoint, need: float) -> float:
+        """Predicted ms until ``e`` has room in its KV cache for ``need`` more tokens: 0
+        while its free KV cache (at its last scrape, less what this EPP routed there
+        since) holds them; else (requests ahead + 1) × its mean time per request ÷ (the
+        requests it runs + 1)."""
+        m = e.metrics
+        duration = self.duration.get(e.key)
+        if not m.num_blocks or duration is None:
+            return 0.0
+        pending = self.pending.get(e.key)
+        count = pending[2] if pending and pending[0] == m.updated_at else 0
+        if self.free(e) >= need or m.running_requests + m.waiting_queue_size + count == 0:
+            return 0.0
+        # the running requests are at random points of their ~duration: the first ends
+        # after duration / (running + 1) on average, the k-th after k times that
+        return (m.waiting_queue_size + count + 1) * duration / (m.running_requests + 1)
+
+    def routed(self, e: Endpoint, blocks: Sequence[int], need: float
+               ) -> tuple[str, float, int]:
+        """Record a request routed to ``e`` (needing ``need`` KV tokens there); the
+        returned ticket goes to :meth:`done` when its response ends."""
+        key, at = e.key, e.metrics.updated_at
+        self._ticket += 1
+        self.flight.setdefault(key, {})[self._ticket] = blocks
+        old = self.pending.get(key)
+        if old is not None and old[0] == at:
+            self.pending[key] = (at, old[1] + need, old[2] + 1)
+        else:
+            self.pending[key] = (at, need, 1)
+        return key, self.clock(), self._ticket
+
+    def done(self, ticket: tuple[str, float, int], endpoint_key: str, aborted: bool) -> None:
+        """A response ended: its blocks are no longer in use, and (unless it was
+        aborted) its duration updates the endpoint's mean."""
+        key, started, n = ticket
+        flight = self.flight.get(key)
+        if flight is not None:
+            flight.pop(n, None)
+            if not flight:
+                del self.flight[key]
+        if key == endpoint_key and not aborted:
+            ms = 1000.0 * (self.clock() - started)
+            old = self.duration.get(key)
+            self.duration[key] = ms if old is None else old + _DURATION_ALPHA * (ms - old)
+
+    def remove(self, key: str) -> None:
+        self.pending.pop(key, None)
+        self.duration.pop(key, None)
+        self.flight.pop(key, None)
+
+
 @dataclass(frozen=True)
 class PrefixIndexParameters:
     """The producer's parameters (also accepted by ``prefix-cache-scorer``)."""
@@ -228,18 +353,8 @@ class ApproxPrefixCacheProducer:
         self.balance_popular_only = balance_popular_only
         self.popularity = (PrefixPopularity() if replicate_hot_prefixes or balance_popular_only
                            else None)
-        self.avoid_queueing = avoid_queueing
-        # avoidQueueing, per endpoint: what this EPP routed there since its last scrape
-        # (that scrape's updated_at, the KV tokens those requests need, their number)
-        self._pending: dict[str, tuple[float | None, float, int]] = {}
-        self._duration: dict[str, float] = {}  # ms, mean from routing to response end
-        # per endpoint: the block hashes of each request this EPP has in flight there
-        self._flight: dict[str, dict[int, list[int]]] = {}
-        self._ticket = 0
-        self.prefill_ms_per_token = prefill_ms_per_token
-        # plugin_state: (endpoint key, monotonic time, ticket in _flight)
-        self._started = f"{name}/started"
-        self._clock = time.monotonic
+        self.queues = QueueAvoidance(prefill_ms_per_token) if avoid_queueing else None
+        self._started = f"{name}/started"  # plugin_state: the QueueAvoidance ticket
         self._group_key = f"{name}/group"  # plugin_state: the request's prefix group
 
     @classmethod
@@ -304,75 +419,11 @@ class ApproxPrefixCacheProducer:
         """``avoidQueueing`` (see module doc): the candidates where this request would
         wait for room in the KV cache for longer than the prefill their cached prefix
         saves over another candidate."""
-        tokens_per_block = self.block_chars / CHARS_PER_TOKEN
-        prompt_tokens = len(request.prompt) / CHARS_PER_TOKEN
-        ms = self.prefill_ms_per_token
-        hashes = self.hashes(request)
-        most = prompt_tokens + (request.max_tokens or 0)  # the need with nothing shared
-        costs: list[float] = []
-        waiting: set[str] = set()
-        for e in endpoints:
-            key = e.key
-            uncached = max(0.0, prompt_tokens - matched.get(key, 0) * tokens_per_block)
-            # room for the most it could need: no wait, and no need to compare in-flight
-            # requests' blocks with its own
-            wait = (0.0 if self._free(e) >= most
-                    else self._wait(e, self._need(request, key, hashes)))
-            if wait > 0.0:
-                waiting.add(key)
-            costs.append(wait + uncached * ms)
-        if not waiting:
+        if self.queues is None:
             return set()
-        best = min(costs)
-        return {e.key for e, c in zip(endpoints, costs) if c > best and e.key in waiting}
-
-    def _need(self, request: LLMRequest, key: str, hashes: Sequence[int]) -> float:
-        """KV tokens ``request`` would take on endpoint ``key``: its output and its prompt
-        less the blocks a request in flight there (routed by this EPP) already holds —
-        blocks cached but not in use are free room the request takes like any other."""
-        shared = 0
-        for other in self._flight.get(key, {}).values():
-            n = min(len(other), len(hashes))
-            if n <= shared or other[shared] != hashes[shared]:
-                continue
-            # chained hashes: equal at k means equal up to k — the longest shared run
-            lo, hi = shared + 1, n
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if other[mid - 1] == hashes[mid - 1]:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            shared = lo
-        return (max(0, len(request.prompt) - shared * self.block_chars) / CHARS_PER_TOKEN
-                + (request.max_tokens or 0))
-
-    def _free(self, e: Endpoint) -> float:
-        """Free KV tokens on ``e``: at its last scrape, less what this EPP routed there
-        since (infinite without ``cache_config_info``)."""
-        m = e.metrics
-        if not m.num_blocks:
-            return math.inf
-        pending = self._pending.get(e.key)
-        routed = pending[1] if pending and pending[0] == m.updated_at else 0.0
-        return m.num_blocks * (1.0 - m.kv_cache_usage) * (m.block_size or 16) - routed
-
-    def _wait(self, e: Endpoint, need: float) -> float:
-        """Predicted ms until ``e`` has room in its KV cache for ``need`` more tokens: 0
-        while its free KV cache (at its last scrape, less what this EPP routed there
-        since) holds them; else (requests ahead + 1) × its mean time per request ÷ (the
-        requests it runs + 1)."""
-        m = e.metrics
-        duration = self._duration.get(e.key)
-        if not m.num_blocks or duration is None:
-            return 0.0
-        pending = self._pending.get(e.key)
-        count = pending[2] if pending and pending[0] == m.updated_at else 0
-        if self._free(e) >= need or m.running_requests + m.waiting_queue_size + count == 0:
-            return 0.0
-        # the running requests are at random points of their ~duration: the first ends
-        # after duration / (running + 1) on average, the k-th after k times that
-        return (m.waiting_queue_size + count + 1) * duration / (m.running_requests + 1)
+        return self.queues.full(endpoints, matched, self.hashes(request),
+                                len(request.prompt) / CHARS_PER_TOKEN,
+                                self.block_chars / CHARS_PER_TOKEN, request.max_tokens)
 
     def excluded(self, request: LLMRequest, endpoints: Sequence[Endpoint],
                  matched: dict[str, int]) -> set[str]:
@@ -384,7 +435,7 @@ class ApproxPrefixCacheProducer:
                    if self.popularity is not None else set())
         hot = (set() if self.balance_popular_only and not holders
                else self.hot(endpoints))
-        if self.avoid_queueing:
+        if self.queues is not None:
             hot |= self.full(request, endpoints, matched)
         if self.replicate_hot_prefixes:
             hot |= holders
@@ -420,31 +471,17 @@ class ApproxPrefixCacheProducer:
             request.plugin_state[keys.PLUGIN_STATE_PREFIX_HIT_RATIO] = matched / len(hashes)
             request.plugin_state[keys.PLUGIN_STATE_PREFIX_HIT_BYTES] = matched * self.block_chars
             self.index.add(key, hashes)
-        if self.avoid_queueing:
-            at = result.primary.endpoints[0].metrics.updated_at
-            need = self._need(request, key, hashes)
-            self._ticket += 1
-            self._flight.setdefault(key, {})[self._ticket] = hashes
-            request.plugin_state[self._started] = (key, self._clock(), self._ticket)
-            old = self._pending.get(key)
-            if old is not None and old[0] == at:
-                self._pending[key] = (at, old[1] + need, old[2] + 1)
-            else:
-                self._pending[key] = (at, need, 1)
+        q = self.queues
+        if q is not None:
+            need = q.need(key, hashes, len(request.prompt) / CHARS_PER_TOKEN,
+                          self.block_chars / CHARS_PER_TOKEN, request.max_tokens)
+            request.plugin_state[self._started] = q.routed(
+                result.primary.endpoints[0], hashes, need)
 
     def response_complete(self, request: LLMRequest, endpoint_key: str, aborted: bool) -> None:
-        started = request.plugin_state.pop(self._started, None)
-        if started is not None:
-            flight = self._flight.get(started[0])
-            if flight is not None:
-                flight.pop(started[2], None)
-                if not flight:
-                    del self._flight[started[0]]
-            if started[0] == endpoint_key and not aborted:
-                ms = 1000.0 * (self._clock() - started[1])
-                old = self._duration.get(endpoint_key)
-                self._duration[endpoint_key] = (ms if old is None
-                                                else old + _DURATION_ALPHA * (ms - old))
+        ticket = request.plugin_state.pop(self._started, None)
+        if ticket is not None and self.queues is not None:
+            self.queues.done(ticket, endpoint_key, aborted)
         n = self.inflight.get(endpoint_key, 0) - 1
         if n > 0:
             self.inflight[endpoint_key] = n
@@ -455,9 +492,8 @@ class ApproxPrefixCacheProducer:
         self.index.remove_endpoint(key)
         self._tuned.pop(key, None)
         self.inflight.pop(key, None)
-        self._pending.pop(key, None)
-        self._duration.pop(key, None)
-        self._flight.pop(key, None)
+        if self.queues is not None:
+            self.queues.remove(key)
 
 
 class PrefixCacheScorer:

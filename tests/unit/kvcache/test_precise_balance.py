@@ -209,3 +209,65 @@ def test_balance_popular_only_spreads_a_shared_prompt_but_keeps_one_of_many() ->
         PrecisePrefixParameters, {"balanceAbsThreshold": 2}, "g"))
     plain.inflight[eps[0].key] = 6
     assert plain.excluded(request(5000), eps, held) == {eps[0].key}
+
+
+def test_avoid_queueing_moves_a_request_off_a_holder_without_kv_room() -> None:
+    """``avoidQueueing`` as on the approximate producer: a holder whose KV cache has no
+    room for the request (last scrape less what this EPP routed there since) and whose
+    predicted wait exceeds the prefill it saves loses its prefix score; its requests'
+    durations are measured from routing to response end."""
+    import itertools
+
+    from epp.kvcache.tokenization import TokenizedPrompt
+    from epp.scheduling.plugins.token_producer import TOKENIZED_PROMPT
+    from epp.scheduling.types import (
+        ApiType,
+        LLMRequest,
+        Metrics,
+        ProfileRunResult,
+        SchedulingResult,
+    )
+
+    assert PrecisePrefixCacheProducer("off").queues is None
+    prod = PrecisePrefixCacheProducer("p", decode_params(
+        PrecisePrefixParameters, {"avoidQueueing": True, "prefillMsPerToken": 0.1}, "p"))
+    assert prod.queues is not None
+    prod.queues.clock = itertools.chain([0.0, 0.4], itertools.repeat(1.0)).__next__
+
+    def ep(i: int, at: float, running: int = 0, usage: float = 0.0) -> Endpoint:
+        # 100 blocks of 16 tokens: 1,600 tokens of KV cache
+        return Endpoint(f"p{i}", "127.0.0.1", i, metrics=Metrics(
+            running_requests=running, kv_cache_usage=usage, num_blocks=100,
+            block_size=16, updated_at=at))
+
+    def request(first: int, n: int = 320, max_tokens: int = 16) -> LLMRequest:
+        r = LLMRequest("r", "m", "m", ApiType.COMPLETIONS, "", {}, max_tokens=max_tokens)
+        r.plugin_state[TOKENIZED_PROMPT] = TokenizedPrompt(tuple(range(first, first + n)))
+        return r
+
+    def route(r: LLMRequest, e: Endpoint) -> None:
+        prod.pre_request(r, SchedulingResult({"default": ProfileRunResult((e,))}, "default"))
+
+    held = {"127.0.0.1:0": 20}  # pod 0 holds all 20 blocks (320 tokens) of the prompt
+    first = request(0)
+    route(first, ep(0, 1.0))
+    prod.response_complete(first, "127.0.0.1:0", aborted=False)
+    assert prod.queues.duration["127.0.0.1:0"] == 400.0  # routed at 0.0, ended at 0.4 s
+    # room on pod 0 (at 10 % usage): it keeps the prefix score
+    assert prod.excluded(request(0), [ep(0, 2.0, 1, 0.1), ep(1, 2.0)], held) == set()
+    # full (99.9 %) with one running: a wait of 2 x 400 / 2 = 400 ms > 32 ms of prefill
+    full = [ep(0, 2.0, 1, 0.999), ep(1, 2.0)]
+    assert prod.excluded(request(0), full, held) == {"127.0.0.1:0"}
+    # a cheaper wait than the prefill saved keeps the affinity
+    prod.queues.duration["127.0.0.1:0"] = 20.0
+    assert prod.excluded(request(0), full, held) == set()
+    # what it routed to pod 1 since pod 1's scrape fills pod 1: pod 1 waits too, and
+    # the holder's shorter wait plus no prefill wins
+    prod.queues.duration["127.0.0.1:1"] = 400.0
+    for i in range(5):
+        route(request(10_000 * (i + 1)), ep(1, 2.0, 1, 0.9))
+    assert prod.queues.pending["127.0.0.1:1"][2] == 5
+    assert prod.excluded(request(0), [ep(0, 2.0, 1, 0.999), ep(1, 2.0, 1, 0.9)],
+                         held) == {"127.0.0.1:1"}
+    prod.endpoint_removed("127.0.0.1:1")
+    assert "127.0.0.1:1" not in prod.queues.pending

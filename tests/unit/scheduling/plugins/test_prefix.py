@@ -329,9 +329,17 @@ def test_avoid_queueing_weighs_the_wait_for_kv_room_against_the_saved_prefill() 
     r = req("x" * 4000)  # 1,000 tokens: 50 ms of prefill at 0.05 ms/token
     cached = {a: 62}     # a holds 992 of them (62 blocks of 16 tokens), b none
     running = req(r.prompt)  # the same prompt in flight on a: its blocks are in use there
+    assert prod.queues is not None
+
+    def need(request: LLMRequest, key: str) -> float:
+        assert prod.queues is not None
+        return prod.queues.need(key, prod.hashes(request), len(request.prompt) / 4,
+                                prod.block_chars / 4,
+                                request.max_tokens)
+
     went_to(prod, running, _scraped(0, 0.5))
-    assert prod._need(r, a, prod.hashes(r)) == 8.0 and prod._need(r, b, prod.hashes(r)) == 1000
-    prod._duration = {a: 400.0, b: 400.0}
+    assert need(r, a) == 8.0 and need(r, b) == 1000
+    prod.queues.duration = {a: 400.0, b: 400.0}
     # a runs one request and has room for the 8 tokens the new one adds: no wait
     assert prod.full(r, [_scraped(0, 1.0, running=1, usage=0.9), _scraped(1, 1.0)],
                      cached) == set()
@@ -343,52 +351,53 @@ def test_avoid_queueing_weighs_the_wait_for_kv_room_against_the_saved_prefill() 
     assert prod.full(r, [_scraped(0, 1.0, running=1, usage=0.999), _scraped(1, 1.0)],
                      cached) == {a}
     # a wait shorter than the prefill saved keeps the affinity
-    prod._duration[a] = 80.0
+    prod.queues.duration[a] = 80.0
     assert prod.full(r, [_scraped(0, 1.0, running=1, usage=0.999), _scraped(1, 1.0)],
                      cached) == set()
-    prod._duration[a] = 400.0
+    prod.queues.duration[a] = 400.0
     # what this EPP routed to a since its last scrape takes a's free room (160 tokens)
     other = req("y" * 4000)
     went_to(prod, other, _scraped(0, 2.0, running=1, usage=0.9))
-    assert prod._pending[a] == (2.0, 1000.0, 1)
+    assert prod.queues.pending[a] == (2.0, 1000.0, 1)
     assert prod.full(r, [_scraped(0, 2.0, running=1, usage=0.9), _scraped(1, 2.0)],
                      cached) == {a}
     # 1 ahead, and the running one ends after half its duration on average: 2 x 400 / 2
-    assert prod._wait(_scraped(0, 2.0, running=1, usage=0.9), 8.0) == 400.0
+    assert prod.queues.wait(_scraped(0, 2.0, running=1, usage=0.9), 8.0) == 400.0
     # a newer scrape already counts it
     assert prod.full(r, [_scraped(0, 3.0, running=2, usage=0.5), _scraped(1, 3.0)],
                      cached) == set()
     # an idle pod never waits; both full: the shorter wait plus prefill keeps its affinity
-    assert prod._wait(_scraped(0, 4.0, usage=1.0), 8.0) == 0.0
+    assert prod.queues.wait(_scraped(0, 4.0, usage=1.0), 8.0) == 0.0
     assert prod.full(r, [_scraped(0, 4.0, running=2, usage=1.0),
                          _scraped(1, 4.0, waiting=1, running=1, usage=1.0)], cached) == {b}
     # responses that end free their blocks
     prod.response_complete(running, a, aborted=False)
-    assert prod._need(r, a, prod.hashes(r)) == 1000.0
+    assert need(r, a) == 1000.0
     # no response measured on a pod yet, or no cache_config_info: nothing to weigh
     fresh = ApproxPrefixCacheProducer("f", balance_abs_threshold=0, avoid_queueing=True)
     assert fresh.full(r, [_scraped(0, 1.0, running=1, usage=1.0), _scraped(1, 1.0)],
                       cached) == set()
     bare = Endpoint("p0", "10.0.0.0", 8000, metrics=Metrics(running_requests=9,
                                                             kv_cache_usage=1.0))
-    assert prod._wait(bare, 8.0) == 0.0
+    assert prod.queues.wait(bare, 8.0) == 0.0
     prod.endpoint_removed(a)
-    assert a not in prod._pending and a not in prod._duration and a not in prod._flight
+    q = prod.queues
+    assert a not in q.pending and a not in q.duration and a not in q.flight
 
 def test_avoid_queueing_measures_durations_and_zeroes_the_prefix_score() -> None:
     built = _built_with_producer(
         "{avoidQueueing: true, balanceAbsThreshold: 0, prefillMsPerToken: 0.1}")
     prod = next(p for p in built.plugins.values() if isinstance(p, ApproxPrefixCacheProducer))
     scorer = next(p for p in built.plugins.values() if isinstance(p, PrefixCacheScorer))
-    assert prod.avoid_queueing and prod.prefill_ms_per_token == 0.1
-    assert not ApproxPrefixCacheProducer("x").avoid_queueing
+    assert prod.queues is not None and prod.queues.prefill_ms_per_token == 0.1
+    assert ApproxPrefixCacheProducer("x").queues is None
     prompt = "a long shared document " * 200  # 4,600 characters
     e0 = _scraped(0, 1.0)
     first = req(prompt)
     went_to(prod, first, e0)
     prod.response_complete(first, e0.key, aborted=False)
-    assert prod._duration[e0.key] >= 0.0
-    prod._duration[e0.key] = 10_000.0  # as if that response had taken 10 s
+    assert prod.queues.duration[e0.key] >= 0.0
+    prod.queues.duration[e0.key] = 10_000.0  # as if that response had taken 10 s
     quiet = [_scraped(0, 1.5, running=1), _scraped(1, 1.5)]  # a scrape after that request
     assert scorer.score(CycleState(), req(prompt), quiet)[0] == 1.0
     starved = [_scraped(0, 2.0, waiting=1, running=1, usage=1.0), _scraped(1, 2.0)]

@@ -573,9 +573,14 @@ class PrecisePrefixCacheProducer:
                      matched: dict[str, int]) -> set[str]:
         pop = self.popularity
         assert pop is not None
-        best = max(matched.values(), default=0)
+        # the group is where the longest match ends in blocks, not in medium-weighted
+        # blocks (a prompt held on CPU is the same group as on GPU)
+        pre = request.plugin_state.get(f"{_STATE}/{self.name}")
+        held: Mapping[str, int] = matched if pre is None else pre[1].cached_blocks
+        best = max((held.get(k, 0) for k in matched), default=0)
         keys = self.block_keys(request)
-        if best <= 0 or len(endpoints) < 2 or not keys:
+        if best <= 0 or max(matched.values(), default=0) <= 0 or len(endpoints) < 2 \
+                or not keys:
             return set()
         group = keys[min(best, len(keys)) - 1]
         request.plugin_state[self._group_key] = group

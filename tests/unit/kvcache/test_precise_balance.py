@@ -204,6 +204,14 @@ def test_balance_popular_only_spreads_a_shared_prompt_but_keeps_one_of_many() ->
         assert quiet.excluded(r, eps, held) == set()
         quiet.pre_request(r, SchedulingResult({"default": ProfileRunResult((eps[1],))},
                                               "default"))
+    # the same prompt held on CPU (weight 0.8: 4 blocks count 3) is the same group
+    from epp.scheduling.plugins.precise_prefix import PrefixMatch
+
+    on_cpu = request(0)
+    on_cpu.plugin_state["precise-prefix/p"] = (
+        tuple(e.key for e in eps), PrefixMatch(4, {eps[0].key: 3}, {eps[0].key: 4},
+                                               {"CPU": {eps[0].key: 4}}, 16))
+    assert prod.excluded(on_cpu, eps, {eps[0].key: 3}) == {eps[0].key}
     # without balancePopularOnly the plain guard acts on that request too
     plain = PrecisePrefixCacheProducer("g", decode_params(
         PrecisePrefixParameters, {"balanceAbsThreshold": 2}, "g"))

@@ -561,12 +561,13 @@ class PrecisePrefixCacheProducer:
         would wait for KV room longer than the prefill their cached prefix saves."""
         out = self.hot(endpoints) if self.popularity is None else self._popular_hot(
             request, endpoints, matched)
+        if self.queues is None or len(endpoints) < 2:
+            return out
         tp = tokenized(request)
-        if self.queues is not None and len(endpoints) > 1 and tp is not None:
-            keys = self.block_keys(request)
-            if keys:
-                out |= self.queues.full(endpoints, matched, keys, tp.token_count,
-                                        self.block_size, request.max_tokens)
+        keys = self.block_keys(request)
+        if tp is not None and keys:
+            out |= self.queues.full(endpoints, matched, keys, tp.token_count,
+                                    self.block_size, request.max_tokens)
         return out
 
     def _popular_hot(self, request: LLMRequest, endpoints: Sequence[Endpoint],

@@ -22,14 +22,27 @@ over a real load difference (GIE's hermetic case "least queue" under this projec
 default): they share the top score and the load scorers, or the picker's random
 tie-break, decide between them.
 
+``preferFastEndpoints`` (this project's addition, off by default as in llm-d; on in the
+built-in default): cold requests rotate only over the candidates whose mean time per
+request, as this EPP measured it (from routing to the end of the response; an exponential
+average over about the last ten responses from that pod), is at most twice the fastest
+candidate's; the others score 0 on a cold request. A group of requests that share a
+prefix stays where its first request went, so where a slow pod's share of the traffic is
+decided is that first, cold request (issue 17, docs/benchmarks.md "Where the held-out
+target stands"). A pod four times slower has no rotation credit until the faster ones, loaded,
+take half as long as it does; between equal pods, whose times differ by their momentary
+load, nothing changes — the rotation still spreads new prefixes so no pod's cache grows
+alone. Until every candidate has a measured time, all rotate.
+
 Parameters: ``prefixPluginName`` (the ``prefix-cache-scorer`` or
 ``approx-prefix-cache-producer`` to read; default ``prefix-cache-scorer``, falling back to
 the only prefix plugin declared), ``prefillProfile`` (``prefill``), ``lruSize`` (1024
-endpoints remembered).
+endpoints remembered), ``preferFastEndpoints`` (false).
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,6 +56,8 @@ from epp.scheduling.plugins.prefix import ApproxPrefixCacheProducer, PrefixCache
 from epp.scheduling.types import CycleState, Endpoint, LLMRequest, SchedulingResult
 
 NEUTRAL = 0.5
+DURATION_ALPHA = 0.1  # EMA weight of one response's duration (preferFastEndpoints)
+SLOW_FACTOR = 2.0  # preferFastEndpoints: slower than this × the fastest gets no cold request
 
 
 def _plugin_name(v: Any, path: str) -> str:
@@ -61,6 +76,7 @@ class NoHitLRUParameters:
                                                         parse=_plugin_name)
     prefill_profile: str = param("prefillProfile", "prefill")
     lru_size: int = param("lruSize", 1024, minimum=1)
+    prefer_fast_endpoints: bool = param("preferFastEndpoints", False)
 
 
 class NoHitLRUScorer:
@@ -72,7 +88,7 @@ class NoHitLRUScorer:
 
     def __init__(self, name: str, prefix_plugin_name: str | None = None,
                  prefill_profile: str = DEFAULT_PREFILL_PROFILE,
-                 lru_size: int = DEFAULT_LRU_SIZE) -> None:
+                 lru_size: int = DEFAULT_LRU_SIZE, prefer_fast_endpoints: bool = False) -> None:
         self.name = name
         self.prefix_plugin_name = prefix_plugin_name  # None: the default, resolved in bind()
         self.prefill_profile = prefill_profile
@@ -80,12 +96,17 @@ class NoHitLRUScorer:
         self._prefix: Plugin | None = None
         # endpoint key -> None, least recently used first
         self._lru: OrderedDict[str, None] = OrderedDict()
+        self.prefer_fast_endpoints = prefer_fast_endpoints
+        self.duration: dict[str, float] = {}  # endpoint key -> mean ms per request
+        self._started = f"{name}/started"
+        self.clock = time.monotonic
 
     @classmethod
     def from_params(cls, name: str, params: NoHitLRUParameters,
                     handle: PluginHandle) -> NoHitLRUScorer:
         return cls(name, params.prefix_plugin_name or params.prefix_match_info_producer_name,
-                   params.prefill_profile or cls.DEFAULT_PREFILL_PROFILE, params.lru_size)
+                   params.prefill_profile or cls.DEFAULT_PREFILL_PROFILE, params.lru_size,
+                   params.prefer_fast_endpoints)
 
     def bind(self, handle: PluginHandle) -> None:
         """Find the prefix plugin to read (by name; the default name falls back to the only
@@ -140,25 +161,43 @@ class NoHitLRUScorer:
             return [NEUTRAL] * n
         if n == 1:
             return [1.0]
+        ranked: Sequence[int] = range(n)
+        if self.prefer_fast_endpoints:
+            ranked = self.fast(endpoints)
         lru = self._lru
-        never = [i for i, e in enumerate(endpoints) if e.key not in lru]
-        used = [i for i, e in enumerate(endpoints) if e.key in lru]
+        never = [i for i in ranked if endpoints[i].key not in lru]
+        used = [i for i in ranked if endpoints[i].key in lru]
         if used:
             position = {k: p for p, k in enumerate(lru)}
             used.sort(key=lambda i: position[endpoints[i].key])
         # Never-used candidates share the first rank: ranking them in candidate order
         # would make the list order, not the load, decide a cold start (issue 17).
         groups = ([never] if never else []) + [[i] for i in used]
-        out = [1.0] * n
-        if len(groups) > 1:
-            last = len(groups) - 1
-            for rank, group in enumerate(groups):
-                for i in group:
-                    out[i] = 1.0 - rank / last
+        out = [0.0] * n  # with preferFastEndpoints, a slow candidate keeps 0
+        last = len(groups) - 1
+        for rank, group in enumerate(groups):
+            for i in group:
+                out[i] = 1.0 - rank / last if last else 1.0
         return out
 
+    def fast(self, endpoints: Sequence[Endpoint]) -> Sequence[int]:
+        """``preferFastEndpoints``: the indices of the candidates whose mean time per
+        request is at most ``SLOW_FACTOR`` times the fastest one's (all of them until
+        every candidate has a measured time)."""
+        durations = [self.duration.get(e.key) for e in endpoints]
+        known = [d for d in durations if d is not None]
+        if len(known) < len(durations):
+            return range(len(endpoints))
+        limit = SLOW_FACTOR * min(known)
+        return [i for i, d in enumerate(known) if d <= limit]
+
     def pre_request(self, request: LLMRequest, result: SchedulingResult) -> None:
-        """For a cold request, mark the chosen endpoints as most recently used."""
+        """For a cold request, mark the chosen endpoints as most recently used; with
+        ``preferFastEndpoints``, note when any request was routed, and where."""
+        if self.prefer_fast_endpoints:
+            primary = result.profile_results.get(result.primary_profile)
+            if primary is not None and primary.endpoints:
+                request.plugin_state[self._started] = (primary.endpoints[0].key, self.clock())
         if not request.plugin_state.pop(self.name, False):
             return
         for profile in (result.primary_profile, self.prefill_profile):
@@ -172,5 +211,16 @@ class NoHitLRUScorer:
         while len(self._lru) > self.lru_size:
             self._lru.popitem(last=False)
 
+    def response_complete(self, request: LLMRequest, endpoint_key: str, aborted: bool) -> None:
+        """With ``preferFastEndpoints``: a completed (not aborted) response's duration
+        updates its endpoint's mean."""
+        started = request.plugin_state.pop(self._started, None)
+        if started is None or aborted or started[0] != endpoint_key:
+            return
+        ms = 1000.0 * (self.clock() - started[1])
+        old = self.duration.get(endpoint_key)
+        self.duration[endpoint_key] = ms if old is None else old + DURATION_ALPHA * (ms - old)
+
     def endpoint_removed(self, key: str) -> None:
         self._lru.pop(key, None)
+        self.duration.pop(key, None)

@@ -459,11 +459,67 @@ def test_nohit_binds_to_prefix_scorer_by_default_name_or_the_only_one() -> None:
     assert other.plugins["no-hit-lru-scorer"]._prefix is other.plugins["my-prefix"]  # type: ignore[attr-defined]
 
 
+def test_nohit_prefer_fast_endpoints_leaves_slow_pods_out_of_the_rotation() -> None:
+    scorer, producer = nohit_with_prefix(prefer_fast_endpoints=True)
+    now = [100.0]
+    scorer.clock = lambda: now[0]
+    eps = [ep(1), ep(2), ep(3)]
+
+    def finish(r: LLMRequest, key: str, after_s: float, aborted: bool = False) -> None:
+        now[0] += after_s
+        scorer.response_complete(r, key, aborted)
+
+    # No measured time yet: the LRU rank, as without the parameter.
+    r1, r2, r3 = req("a" * 32, rid="1"), req("b" * 32, rid="2"), req("c" * 32, rid="3")
+    assert route(scorer, producer, r1, eps) == [1.0, 1.0, 1.0]
+    assert route(scorer, producer, r2, eps) == [0.0, 1.0, 1.0]
+    finish(r2, ep(2).key, 0.4)  # ep2: 400 ms
+    # one candidate unmeasured: still the LRU rank over all three
+    assert route(scorer, producer, r3, eps) == [0.5, 0.0, 1.0]
+    finish(r3, ep(3).key, 0.5)  # ep3: 500 ms (routed at 100.4)
+    finish(r1, ep(1).key, 0.1)  # ep1: 1,000 ms (routed at 100.0)
+    assert scorer.duration == {ep(1).key: pytest.approx(1000.0),
+                               ep(2).key: pytest.approx(400.0), ep(3).key: pytest.approx(500.0)}
+    # ep1 takes more than twice the fastest's time: out of the rotation, although it is
+    # the least recently used; the others keep their LRU order among themselves.
+    assert list(scorer.score(CycleState(), req("d" * 32), eps)) == [0.0, 1.0, 0.0]
+    # Warm requests stay neutral.
+    assert list(scorer.score(CycleState(), req("a" * 32 + "z" * 16), eps)) == [0.5] * 3
+    # A later response moves the mean by a tenth of its difference: ep2 slows to 800 ms,
+    # the limit rises to 1,000 (ep3's 500 × 2) and ep1 is back, first in the LRU order.
+    r4 = req("e" * 32, rid="4")
+    scorer.pre_request(r4, result(ep(2)))
+    finish(r4, ep(2).key, 4.4)
+    assert scorer.duration[ep(2).key] == pytest.approx(800.0)
+    assert list(scorer.score(CycleState(), req("d" * 32), eps)) == [1.0, 0.5, 0.0]
+    # An aborted response, one from another endpoint than the one routed to, or an
+    # unrouted request change nothing.
+    for aborted, key in ((True, ep(1).key), (False, ep(2).key)):
+        r = req("f" * 32)
+        scorer.pre_request(r, result(ep(1)))
+        finish(r, key, 9.0, aborted)
+    scorer.response_complete(req("g" * 32), ep(1).key, False)
+    assert scorer.duration[ep(1).key] == pytest.approx(1000.0)
+    scorer.endpoint_removed(ep(1).key)
+    assert ep(1).key not in scorer.duration
+
+
+def test_nohit_without_prefer_fast_endpoints_measures_nothing() -> None:
+    scorer, producer = nohit_with_prefix()
+    r = req("a" * 32, rid="1")
+    route(scorer, producer, r, [ep(1), ep(2)])
+    scorer.response_complete(r, ep(1).key, False)
+    assert scorer.duration == {}
+
+
 def test_nohit_params() -> None:
     s = make("no-hit-lru-scorer")
-    assert (s.prefix_plugin_name, s.prefill_profile, s.lru_size) == (None, "prefill", 1024)
-    s = make("no-hit-lru-scorer", {"prefixPluginName": "p", "prefillProfile": "pf", "lruSize": 8})
-    assert (s.prefix_plugin_name, s.prefill_profile, s.lru_size) == ("p", "pf", 8)
+    assert (s.prefix_plugin_name, s.prefill_profile, s.lru_size, s.prefer_fast_endpoints) == (
+        None, "prefill", 1024, False)
+    s = make("no-hit-lru-scorer", {"prefixPluginName": "p", "prefillProfile": "pf", "lruSize": 8,
+                                   "preferFastEndpoints": True})
+    assert (s.prefix_plugin_name, s.prefill_profile, s.lru_size, s.prefer_fast_endpoints) == (
+        "p", "pf", 8, True)
     param_error("no-hit-lru-scorer", {"lruSize": 0}, "lruSize: must be >= 1")
     param_error("no-hit-lru-scorer", {"prefixPluginName": 3}, "prefixPluginName: expected a string")
     with pytest.raises(ConfigError, match="prefixPluginName 'nope': no such plugin"):

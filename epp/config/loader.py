@@ -83,7 +83,6 @@ plugins:
 - type: prefix-cache-scorer
 - type: active-request-scorer
 - type: no-hit-lru-scorer
-  parameters: {preferFastEndpoints: true}
 - type: queue-scorer
 - type: kv-cache-utilization-scorer
 - type: max-score-picker

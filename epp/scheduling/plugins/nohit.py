@@ -22,8 +22,8 @@ over a real load difference (GIE's hermetic case "least queue" under this projec
 default): they share the top score and the load scorers, or the picker's random
 tie-break, decide between them.
 
-``preferFastEndpoints`` (this project's addition, off by default as in llm-d; on in the
-built-in default): cold requests rotate only over the candidates whose mean time per
+``preferFastEndpoints`` (this project's addition, off by default as in llm-d, and off in
+the built-in default — see below): cold requests rotate only over the candidates whose mean time per
 request, as this EPP measured it (from routing to the end of the response; an exponential
 average over about the last ten responses from that pod), is at most twice the fastest
 candidate's; the others score 0 on a cold request. A group of requests that share a
@@ -32,7 +32,9 @@ decided is that first, cold request (issue 17, docs/benchmarks.md "Where the hel
 target stands"). A pod four times slower has no rotation credit until the faster ones, loaded,
 take half as long as it does; between equal pods, whose times differ by their momentary
 load, nothing changes — the rotation still spreads new prefixes so no pod's cache grows
-alone. Until every candidate has a measured time, all rotate.
+alone. Until every candidate has a measured time, all rotate. The average lags by about
+ten responses, seconds each with long outputs; with 300-token answers (``epp demo``) cold
+requests herded onto one pod in some runs, so the built-in default does not set it.
 
 Parameters: ``prefixPluginName`` (the ``prefix-cache-scorer`` or
 ``approx-prefix-cache-producer`` to read; default ``prefix-cache-scorer``, falling back to

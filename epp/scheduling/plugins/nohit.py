@@ -23,18 +23,19 @@ default): they share the top score and the load scorers, or the picker's random
 tie-break, decide between them.
 
 ``preferFastEndpoints`` (this project's addition, off by default as in llm-d, and off in
-the built-in default — see below): cold requests rotate only over the candidates whose mean time per
-request, as this EPP measured it (from routing to the end of the response; an exponential
-average over about the last ten responses from that pod), is at most twice the fastest
-candidate's; the others score 0 on a cold request. A group of requests that share a
-prefix stays where its first request went, so where a slow pod's share of the traffic is
-decided is that first, cold request (issue 17, docs/benchmarks.md "Where the held-out
-target stands"). A pod four times slower has no rotation credit until the faster ones, loaded,
-take half as long as it does; between equal pods, whose times differ by their momentary
-load, nothing changes — the rotation still spreads new prefixes so no pod's cache grows
-alone. Until every candidate has a measured time, all rotate. The average lags by about
-ten responses, seconds each with long outputs; with 300-token answers (``epp demo``) cold
-requests herded onto one pod in some runs, so the built-in default does not set it.
+the built-in default, why at the end): cold requests rotate only over the candidates whose
+mean time per request, as this EPP measured it (from routing to the end of the response;
+an exponential average over about the last ten responses from that pod), is at most twice
+the fastest candidate's; the others score 0 on a cold request. A group of requests that
+share a prefix stays where its first request went, so where a slow pod's share of the
+traffic is decided is that first, cold request (issue 17, docs/benchmarks.md "Where the
+held-out target stands"). A pod four times slower has no rotation credit until the faster
+ones, loaded, take half as long as it does; between equal pods, whose times differ by
+their momentary load, nothing changes — the rotation still spreads new prefixes so no
+pod's cache grows alone. Until every candidate has a measured time, all rotate. The
+average lags by about ten responses, seconds each with long outputs; with 300-token
+answers (``epp demo``) cold requests herded onto one pod in some runs, so the built-in
+default does not set it.
 
 Parameters: ``prefixPluginName`` (the ``prefix-cache-scorer`` or
 ``approx-prefix-cache-producer`` to read; default ``prefix-cache-scorer``, falling back to
@@ -54,11 +55,14 @@ from epp.errors import ConfigError
 from epp.framework.handle import PluginHandle
 from epp.framework.interfaces import Plugin
 from epp.framework.params import param
-from epp.scheduling.plugins.prefix import ApproxPrefixCacheProducer, PrefixCacheScorer
+from epp.scheduling.plugins.prefix import (
+    DURATION_ALPHA,  # the same mean as avoidQueueing's per-pod duration
+    ApproxPrefixCacheProducer,
+    PrefixCacheScorer,
+)
 from epp.scheduling.types import CycleState, Endpoint, LLMRequest, SchedulingResult
 
 NEUTRAL = 0.5
-DURATION_ALPHA = 0.1  # EMA weight of one response's duration (preferFastEndpoints)
 SLOW_FACTOR = 2.0  # preferFastEndpoints: slower than this × the fastest gets no cold request
 
 
@@ -216,6 +220,8 @@ class NoHitLRUScorer:
     def response_complete(self, request: LLMRequest, endpoint_key: str, aborted: bool) -> None:
         """With ``preferFastEndpoints``: a completed (not aborted) response's duration
         updates its endpoint's mean."""
+        if not self.prefer_fast_endpoints:
+            return
         started = request.plugin_state.pop(self._started, None)
         if started is None or aborted or started[0] != endpoint_key:
             return

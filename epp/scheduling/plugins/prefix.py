@@ -73,7 +73,7 @@ from epp.scheduling.types import CycleState, Endpoint, LLMRequest, SchedulingRes
 
 CHARS_PER_TOKEN = 4
 _STATE_KEY = "prefix-cache"
-_DURATION_ALPHA = 0.1  # EMA weight of a response's duration (avoidQueueing)
+DURATION_ALPHA = 0.1  # EMA weight of a response's duration (avoidQueueing)
 
 
 class PrefixPopularity:
@@ -246,7 +246,7 @@ class QueueAvoidance:
         if key == endpoint_key and not aborted:
             ms = 1000.0 * (self.clock() - started)
             old = self.duration.get(key)
-            self.duration[key] = ms if old is None else old + _DURATION_ALPHA * (ms - old)
+            self.duration[key] = ms if old is None else old + DURATION_ALPHA * (ms - old)
 
     def remove(self, key: str) -> None:
         self.pending.pop(key, None)
